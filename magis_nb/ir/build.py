@@ -1,0 +1,159 @@
+"""Captured FX graph -> IR Graph."""
+from __future__ import annotations
+
+import keyword
+import operator
+import re
+
+import torch
+import torch.fx as fx
+
+from ..capture.export import Captured
+from .graph import Graph, Node, Ref, TensorInfo, iter_refs
+
+# _unsafe_view returns a tensor sharing its input's storage but has no alias
+# annotation in its schema (it is "unsafe" precisely because autograd does not
+# track it as a view).
+_UNANNOTATED_VIEWS = {"aten._unsafe_view.default"}
+
+
+def op_name(target) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        ns = target.namespace
+        return f"{ns}.{target._schema.name.split('::')[-1]}.{target._overloadname}"
+    return getattr(target, "__name__", str(target))
+
+
+def _storage_bytes(val: torch.Tensor) -> int:
+    try:
+        return int(val.untyped_storage().nbytes())
+    except Exception:  # noqa: BLE001 - some fake tensors have no storage object
+        return val.numel() * val.element_size()
+
+
+def _alias_arg(target, out_index: int) -> int | None:
+    """Which positional argument output ``out_index`` of ``target`` aliases."""
+    if op_name(target) in _UNANNOTATED_VIEWS:
+        return 0
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    schema = target._schema
+    rets = schema.returns
+    ret = rets[min(out_index, len(rets) - 1)]  # Tensor(a)[] covers every element
+    if ret.alias_info is None:
+        return None
+    sets = ret.alias_info.before_set
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is not None and a.alias_info.before_set & sets:
+            return i
+    return None
+
+
+def _ident(name: str, taken: set[str]) -> str:
+    s = re.sub(r"\W", "_", name)
+    if not s or s[0].isdigit() or keyword.iskeyword(s) or s in ("torch", "aten"):
+        s = "v_" + s
+    base, k = s, 1
+    while s in taken:
+        k += 1
+        s = f"{base}_{k}"
+    taken.add(s)
+    return s
+
+
+def _is_rng(target) -> bool:
+    tags = getattr(target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags
+
+
+def build_graph(cap: Captured) -> Graph:
+    g = cap.gm.graph
+    nodes: list[Node] = []
+    ref_of: dict[fx.Node, object] = {}     # fx node -> Ref or tuple of Refs
+    taken: set[str] = set()
+    placeholders = [n for n in g.nodes if n.op == "placeholder"]
+    n_p, n_b = len(cap.param_names), len(cap.buffer_names)
+    for k, ph in enumerate(placeholders):
+        if k < n_p:
+            role, cat, nm = ("param", cap.param_names[k]), "weight", "p_" + cap.param_names[k]
+        elif k < n_p + n_b:
+            role, cat, nm = ("buffer", cap.buffer_names[k - n_p]), "buffer", "b_" + cap.buffer_names[k - n_p]
+        else:
+            role, cat, nm = ("input", k - n_p - n_b), "input", f"x{k - n_p - n_b}"
+        val = ph.meta["val"]
+        node = Node(id=len(nodes), name=_ident(nm, taken), kind="input", target="input",
+                    outputs=[TensorInfo(tuple(val.shape), val.dtype, _storage_bytes(val))],
+                    category=cat, role=role)
+        nodes.append(node)
+        ref_of[ph] = Ref(node.id, 0)
+
+    def conv(a):
+        if isinstance(a, fx.Node):
+            r = ref_of[a]
+            if not isinstance(r, Ref):
+                raise NotImplementedError(f"tuple value {a.name} used directly")
+            return r
+        if isinstance(a, (list, tuple)):
+            return type(a)(conv(x) for x in a)
+        if isinstance(a, dict):
+            return {k: conv(v) for k, v in a.items()}
+        return a
+
+    for fn in g.nodes:
+        if fn.op != "call_function":
+            continue
+        if fn.target is operator.getitem:
+            src, idx = fn.args
+            ref_of[fn] = ref_of[src][idx]
+            continue
+        args, kwargs = conv(tuple(fn.args)), conv(dict(fn.kwargs))
+        val = fn.meta.get("val")
+        multi = isinstance(val, (tuple, list))
+        vals = list(val) if multi else [val]
+        outs: list[TensorInfo | None] = []
+        nid = len(nodes)
+        for i, v in enumerate(vals):
+            if not isinstance(v, torch.Tensor):
+                outs.append(None)
+                continue
+            ai = _alias_arg(fn.target, i)
+            alias = None
+            if ai is not None:
+                src = args[ai] if ai < len(args) else None
+                alias = src if isinstance(src, Ref) else None
+            outs.append(TensorInfo(tuple(v.shape), v.dtype,
+                                   0 if alias is not None else _storage_bytes(v), alias))
+        node = Node(id=nid, name=_ident(fn.name, taken), kind="op", target=op_name(fn.target),
+                    op=fn.target, args=args, kwargs=kwargs, outputs=outs,
+                    rng=_is_rng(fn.target), multi=multi)
+        nodes.append(node)
+        ref_of[fn] = tuple(Ref(nid, i) for i in range(len(outs))) if multi else Ref(nid, 0)
+
+    outputs = [conv(a) for a in cap.gm.graph.output_node().args[0]]
+    _categorize(nodes, outputs, cap.output_roles)
+    return Graph(nodes, outputs, cap.output_roles)
+
+
+def _categorize(nodes: list[Node], outputs: list[Ref], roles: list[tuple]) -> None:
+    """Activation in the forward, gradient after the loss, loss and buffer updates."""
+    loss = [r for r, role in zip(outputs, roles) if role[0] == "loss"]
+    backward: set[int] = set()
+    if loss:
+        succ: dict[int, list[int]] = {}
+        for n in nodes:
+            for r in iter_refs((n.args, n.kwargs)):
+                succ.setdefault(r.node, []).append(n.id)
+        stack = list(succ.get(loss[0].node, []))
+        while stack:
+            v = stack.pop()
+            if v not in backward:
+                backward.add(v)
+                stack.extend(succ.get(v, []))
+        nodes[loss[0].node].category = "loss"
+    for n in nodes:
+        if n.kind == "op" and n.id in backward:
+            n.category = "gradient"
+    for r, role in zip(outputs, roles):
+        # A multi-output op (batch_norm) also makes activations: leave it be.
+        if role[0] == "buffer" and nodes[r.node].kind == "op" and len(nodes[r.node].outputs) == 1:
+            nodes[r.node].category = "buffer"

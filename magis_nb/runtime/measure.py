@@ -1,0 +1,96 @@
+"""Measured peak memory: a CPU storage tracker and the CUDA allocator's counters.
+
+The CPU tracker is a TorchDispatchMode: every op's outputs are inspected, each
+untyped storage that did not exist among the op's inputs is a new allocation and
+counted once; a weakref finalizer on the storage subtracts it when it dies. It sees
+the tensors a program holds, not a kernel's internal scratch space -- exactly what
+the simulator models. Storages that exist before the measured region (weights,
+inputs, existing .grad) are the caller's baseline.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors``."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        st = t.untyped_storage()
+        key = (st.data_ptr(), t.device)
+        if key not in seen and st.nbytes() > 0:
+            seen.add(key)
+            total += st.nbytes()
+    return total
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Peak bytes of storages allocated while the mode is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+
+    def _free(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        before = {t.untyped_storage().data_ptr()
+                  for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            st = t.untyped_storage()
+            key, size = st.data_ptr(), st.nbytes()
+            if size == 0 or key in before or key in self.live:
+                continue
+            self.live[key] = size
+            self.current += size
+            weakref.finalize(st, self._free, key)
+        self.peak = max(self.peak, self.current)
+        return out
+
+
+@dataclass
+class Measurement:
+    peak: int           # baseline + tracked peak
+    baseline: int       # bytes live before the call (weights, buffers, inputs, grads)
+    result: object = None
+
+
+def measure_cpu(fn: Callable[[], object], baseline_tensors: Iterable[torch.Tensor]) -> Measurement:
+    """Run ``fn`` once under the tracker; peak = baseline storages + tracked peak."""
+    base = storage_bytes(baseline_tensors)
+    tracker = MemoryTracker()
+    with tracker:
+        result = fn()
+    return Measurement(base + tracker.peak, base, result)
+
+
+def measure_cuda(fn: Callable[[], object], device=None) -> Measurement:
+    """Peak of the CUDA caching allocator's allocated bytes during ``fn``."""
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    result = fn()
+    torch.cuda.synchronize(device)
+    return Measurement(torch.cuda.max_memory_allocated(device), base, result)
+
+
+def model_baseline(model: torch.nn.Module, inputs: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors a training step finds alive: parameters, grads, buffers, inputs."""
+    ts = list(model.parameters()) + list(model.buffers()) + list(inputs)
+    ts += [p.grad for p in model.parameters() if p.grad is not None]
+    return ts

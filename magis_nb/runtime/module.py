@@ -1,0 +1,87 @@
+"""OptimizedModule: the user's parameters + a generated program that runs a step."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+
+from ..capture.export import Captured
+from ..capture.outputs import unflatten
+from ..ir.graph import Graph
+from .codegen import compile_source, generate
+
+
+class OptimizedModule(nn.Module):
+    """Runs the captured step in a planned order.
+
+    Training (``mode="train"``): ``loss = m(*inputs)`` runs forward *and* backward;
+    gradients accumulate into ``p.grad`` as autograd does (assigned when ``None``,
+    added otherwise) and buffers (BatchNorm running stats) are updated in place, so
+    any ``torch.optim`` optimizer works unchanged. The returned loss is detached:
+    do not call ``.backward()`` on it. Inference: returns the model's outputs.
+    """
+
+    def __init__(self, model: nn.Module, cap: Captured, graph: Graph,
+                 order: Sequence[int], source: str | None = None):
+        super().__init__()
+        self.model = model
+        self.mode = cap.mode
+        self.order = list(order)
+        self.code = source if source is not None else generate(graph, self.order)
+        self._fn = compile_source(self.code)
+        self._param_names = list(cap.param_names)
+        self._buffer_names = list(cap.buffer_names)
+        self._input_meta = list(cap.input_meta)
+        self._roles = list(cap.output_roles)
+        self._out_spec = cap.out_spec
+        # A gradient that shares storage with an input must not become p.grad
+        # (a later in-place accumulation would write into the input): clone it.
+        input_ids = {n.id for n in graph.inputs}
+        self._clone_out = [graph.storage_of(r).node in input_ids for r in graph.outputs]
+
+    def _check(self, inputs: tuple) -> None:
+        if len(inputs) != len(self._input_meta):
+            raise TypeError(f"this module was planned for {len(self._input_meta)} inputs, "
+                            f"got {len(inputs)}")
+        for i, (x, (shape, dtype)) in enumerate(zip(inputs, self._input_meta)):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"input {i} must be a tensor, got {type(x).__name__}")
+            if tuple(x.shape) != shape or x.dtype != dtype:
+                raise ValueError(
+                    f"input {i} has shape {tuple(x.shape)} ({x.dtype}) but this module "
+                    f"was planned for {shape} ({dtype}); shapes are specialized: "
+                    "optimize again with example inputs of the new shape")
+
+    def forward(self, *inputs):
+        self._check(inputs)
+        params = dict(self.model.named_parameters())
+        buffers = dict(self.model.named_buffers())
+        args = [params[n] for n in self._param_names]
+        args += [buffers[n] for n in self._buffer_names]
+        args += list(inputs)
+        dev = inputs[0].device
+        with torch.no_grad():
+            outs = self._fn(dev, *args)
+        del args
+        if self.mode == "infer":
+            leaves = [o.clone() if c else o for o, c in zip(outs, self._clone_out)]
+            return unflatten(leaves, self._out_spec)
+        loss = None
+        with torch.no_grad():
+            for o, role, clone in zip(outs, self._roles, self._clone_out):
+                kind = role[0]
+                if kind == "loss":
+                    loss = o
+                elif kind == "grad":
+                    p = params[role[1]]
+                    if p.grad is None:
+                        p.grad = o.clone() if clone else o
+                    else:
+                        p.grad.add_(o)
+                elif kind == "buffer":
+                    buffers[role[1]].copy_(o)
+        return loss
+
+    def extra_repr(self) -> str:
+        return f"mode={self.mode!r}, ops={len(self.order)}"
