@@ -45,6 +45,9 @@ class Captured:
     output_roles: list[tuple]
     out_spec: Any = None                    # infer: structure of the model's output
     no_grad_params: list[str] = field(default_factory=list)
+    # Tied weights: aot_export_module gives every name of a shared parameter its
+    # own placeholder; the second name maps to the first (same storage).
+    tied: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
 
     @property
@@ -78,6 +81,22 @@ class _Step(nn.Module):
                 f"the loss must be a scalar tensor, got {shape}; reduce it "
                 "(e.g. .mean()) in the model or in loss_fn")
         return (loss,)
+
+
+def eager_step(model: nn.Module, inputs, loss_fn: Callable | None = None,
+               mode: str = "train"):
+    """Run one step eagerly with capture's calling convention (the reference).
+
+    Training: forward, loss, ``loss.backward()``; returns the detached loss.
+    Inference: returns the model's output.
+    """
+    inputs = _check_inputs(inputs)
+    if mode == "infer":
+        with torch.no_grad():
+            return model(*inputs)
+    loss = _Step(model, loss_fn, "train")(*inputs)[0]
+    loss.backward()
+    return loss.detach()
 
 
 def _user_frame(exc: BaseException) -> str | None:
@@ -215,8 +234,18 @@ def capture(model: nn.Module, inputs, *, loss_fn: Callable | None = None,
             roles.append(("loss",) if mode == "train" else ("output", i - n_mut))
         else:
             roles.append(("grad", grads[name][strip:]))
+    first: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named.update(dict(model.named_buffers(remove_duplicate=False)))
+    for n in param_names + buffer_names:
+        key = id(named[n]) if n in named else None
+        if key in first:
+            tied[n] = first[key]
+        elif key is not None:
+            first[key] = n
     return Captured(
-        gm=gm, mode=mode, param_names=param_names, buffer_names=buffer_names,
+        gm=gm, tied=tied, mode=mode, param_names=param_names, buffer_names=buffer_names,
         input_meta=[(tuple(x.shape), x.dtype) for x in inputs], output_roles=roles,
         out_spec=step.out_spec, no_grad_params=no_grad,
         seconds=time.perf_counter() - t0)

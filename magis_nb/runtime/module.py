@@ -55,8 +55,9 @@ class OptimizedModule(nn.Module):
 
     def forward(self, *inputs):
         self._check(inputs)
-        params = dict(self.model.named_parameters())
-        buffers = dict(self.model.named_buffers())
+        # Keep duplicates: a tied weight is a graph input under each of its names.
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        buffers = dict(self.model.named_buffers(remove_duplicate=False))
         args = [params[n] for n in self._param_names]
         args += [buffers[n] for n in self._buffer_names]
         args += list(inputs)

@@ -1,0 +1,26 @@
+"""python -m magis_nb.bench <command> [options]; see each command's --help."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "simcheck": "simulated vs measured peak and eager equality of every tiny zoo model",
+    "capture": "capture every paper-size zoo model on fake tensors (time, peak RSS)",
+    "sched": "DP / incremental scheduling against program order",
+}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print(__doc__)
+        for k, v in COMMANDS.items():
+            print(f"  {k:10s} {v}")
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    mod = importlib.import_module(f"magis_nb.bench.{argv[0]}")
+    return mod.main(argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

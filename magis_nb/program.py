@@ -1,0 +1,46 @@
+"""A captured program: the graph, its memory model, and runnable modules for orders."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch.nn as nn
+
+from .capture import Captured, capture
+from .ir import Graph, Ref, build_graph
+from .runtime import OptimizedModule
+from .simulate import MemGraph, MemoryTimeline, simulate_memory
+
+
+@dataclass
+class Program:
+    model: nn.Module
+    captured: Captured
+    graph: Graph
+    memgraph: MemGraph
+    op_ids: list[int]              # memgraph op index -> graph node id
+    storage_refs: list[Ref]        # memgraph storage index -> base tensor
+
+    def to_node_order(self, mg_order: Sequence[int]) -> list[int]:
+        return [self.op_ids[i] for i in mg_order]
+
+    def program_order(self) -> list[int]:
+        """Memgraph op indices in the order PyTorch emitted them."""
+        return list(range(self.memgraph.n))
+
+    def simulate(self, mg_order: Sequence[int] | None = None) -> MemoryTimeline:
+        order = self.program_order() if mg_order is None else mg_order
+        return simulate_memory(self.memgraph, order)
+
+    def module(self, mg_order: Sequence[int] | None = None) -> OptimizedModule:
+        order = self.program_order() if mg_order is None else mg_order
+        return OptimizedModule(self.model, self.captured, self.graph, self.to_node_order(order))
+
+
+def trace(model: nn.Module, inputs, *, loss_fn: Callable | None = None,
+          mode: str = "train") -> Program:
+    """Capture ``model`` and build its IR and memory model."""
+    cap = capture(model, inputs, loss_fn=loss_fn, mode=mode)
+    g = build_graph(cap)
+    mg, op_ids, refs = g.memgraph()
+    return Program(model, cap, g, mg, op_ids, refs)

@@ -1,0 +1,85 @@
+"""Hold an optimized program against eager PyTorch: loss, gradients, buffers, peak."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from .capture import eager_step, flatten
+from .runtime.measure import measure_cpu, model_baseline
+
+RTOL, ATOL = 1e-4, 1e-5
+
+
+@dataclass
+class Comparison:
+    allclose: bool
+    max_abs_err: float
+    mismatches: list[str] = field(default_factory=list)
+
+
+def _close(name, a, b, rtol, atol, out: Comparison):
+    if a is None or b is None:
+        if (a is None) != (b is None):
+            out.allclose = False
+            out.mismatches.append(f"{name}: one side is None")
+        return
+    a, b = a.detach().float(), b.detach().float()
+    if a.shape != b.shape:
+        out.allclose = False
+        out.mismatches.append(f"{name}: shape {tuple(a.shape)} vs {tuple(b.shape)}")
+        return
+    err = (a - b).abs().max().item() if a.numel() else 0.0
+    out.max_abs_err = max(out.max_abs_err, err)
+    if not torch.allclose(a, b, rtol=rtol, atol=atol):
+        out.allclose = False
+        out.mismatches.append(f"{name}: max abs err {err:.3g}")
+
+
+def compare_models(ref: nn.Module, got: nn.Module, ref_out, got_out, *,
+                   rtol=RTOL, atol=ATOL) -> Comparison:
+    """Outputs (or loss), every .grad and every buffer of two copies of a model."""
+    cmp = Comparison(True, 0.0)
+    ra, _ = flatten(ref_out)
+    ga, _ = flatten(got_out)
+    if len(ra) != len(ga):
+        return Comparison(False, float("inf"), ["different number of outputs"])
+    for i, (a, b) in enumerate(zip(ra, ga)):
+        _close(f"output {i}", a, b, rtol, atol, cmp)
+    for (n, p), (_, q) in zip(ref.named_parameters(), got.named_parameters()):
+        _close(f"grad {n}", p.grad, q.grad, rtol, atol, cmp)
+    for (n, b), (_, c) in zip(ref.named_buffers(), got.named_buffers()):
+        _close(f"buffer {n}", b, c, rtol, atol, cmp)
+    return cmp
+
+
+@dataclass
+class StepCheck:
+    comparison: Comparison
+    measured_peak: int
+    baseline: int
+    eager_peak: int
+
+
+def check_step(model: nn.Module, inputs: tuple, loss_fn, mode: str,
+               make_runner: Callable[[nn.Module], Callable], *, seed: int = 0,
+               rtol=RTOL, atol=ATOL) -> StepCheck:
+    """Run eager on a deep copy and ``make_runner(model)`` on ``model``, same RNG.
+
+    Both peaks come from the same CPU tracker, from the same starting state
+    (grads set to None).
+    """
+    ref = copy.deepcopy(model)
+    for m in (model, ref):
+        for p in m.parameters():
+            p.grad = None
+    runner = make_runner(model)
+    torch.manual_seed(seed)
+    ours = measure_cpu(lambda: runner(*inputs), model_baseline(model, inputs))
+    torch.manual_seed(seed)
+    eager = measure_cpu(lambda: eager_step(ref, inputs, loss_fn, mode), model_baseline(ref, inputs))
+    cmp = compare_models(ref, model, eager.result, ours.result, rtol=rtol, atol=atol)
+    return StepCheck(cmp, ours.peak, ours.baseline, eager.peak)

@@ -1,0 +1,123 @@
+"""Capture: signature, edge cases, clear errors, the user's model left untouched."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from magis_nb.capture import CaptureError, capture
+from magis_nb.ir import build_graph
+
+from edge_models import BNDropNet, DataclassOut, DataDependent, TiedLM, TupleOut
+
+
+def _state(m):
+    return {k: v.clone() for k, v in m.state_dict().items()}, [p.requires_grad for p in m.parameters()]
+
+
+def _same_state(m, st):
+    sd, rg = st
+    return (all(torch.equal(sd[k], v) for k, v in m.state_dict().items())
+            and rg == [p.requires_grad for p in m.parameters()])
+
+
+def test_signature_bn_dropout_unused_head():
+    m = BNDropNet().train()
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    st = _state(m)
+    cap = capture(m, (x, y), loss_fn=F.cross_entropy)
+    assert _same_state(m, st), "capture must not change the model (running stats included)"
+    roles = cap.output_roles
+    assert ("loss",) in roles
+    assert {r[1] for r in roles if r[0] == "buffer"} == {
+        "bn.running_mean", "bn.running_var", "bn.num_batches_tracked"}
+    grads = {r[1] for r in roles if r[0] == "grad"}
+    assert grads == {"l1.weight", "l1.bias", "bn.weight", "bn.bias", "l2.weight", "l2.bias"}
+    assert sorted(cap.no_grad_params) == ["unused_head.bias", "unused_head.weight"]
+    g = build_graph(cap)
+    assert any(n.rng for n in g.ops), "dropout is an RNG op"
+    assert not any(n.target.endswith("_") and "." not in n.target for n in g.ops)
+
+
+def test_tied_weights_are_one_parameter():
+    m = TiedLM()
+    cap = capture(m, (torch.randint(0, 50, (2, 5)), torch.randint(0, 50, (2, 5))))
+    assert cap.tied == {"out.weight": "emb.weight"}
+    g = build_graph(cap)
+    mg, _, _ = g.memgraph()
+    assert mg.resident_bytes == sum(p.numel() * 4 for p in m.parameters()) + 2 * 2 * 5 * 8
+
+
+@pytest.mark.parametrize("model", [DataclassOut(), TupleOut()])
+def test_own_loss_from_structured_outputs(model):
+    cap = capture(model, (torch.randn(3, 6),))
+    assert cap.output_roles[0] == ("loss",) or ("loss",) in cap.output_roles
+
+
+def test_infer_mode_keeps_output_structure():
+    cap = capture(TiedLM().eval(), (torch.randint(0, 50, (2, 5)), torch.randint(0, 50, (2, 5))),
+                  mode="infer")
+    assert [r[0] for r in cap.output_roles] == ["output", "output"]
+    assert cap.out_spec[0] == "dict"
+
+
+def test_fake_capture_allocates_nothing():
+    with torch.device("meta"):
+        big = nn.Sequential(*[nn.Linear(8192, 8192) for _ in range(4)])  # 1 GiB of weights
+        x = torch.randn(4096, 8192)
+    cap = capture(big, (x, torch.zeros(1, device="meta")),
+                  loss_fn=lambda out, _: out.pow(2).mean())
+    g = build_graph(cap)
+    # 4 activations of 128 MiB and more in the backward, none of them allocated.
+    assert g.summary()["bytes_by_category"]["activation"] >= 4 * 2**27
+
+
+def test_error_data_dependent_control_flow_names_the_line():
+    m = DataDependent()
+    st = _state(m)
+    with pytest.raises(CaptureError, match="control flow") as e:
+        capture(m, (torch.randn(2, 4),))
+    assert "the offending line" in str(e.value)
+    assert _same_state(m, st)
+
+
+def test_error_inputs_do_not_fit():
+    m = BNDropNet()
+    st = _state(m)
+    with pytest.raises(CaptureError, match="do not fit"):
+        capture(m, (torch.randn(16, 9), torch.zeros(16, dtype=torch.long)), loss_fn=F.cross_entropy)
+    assert _same_state(m, st)
+
+
+def test_error_non_tensor_input():
+    with pytest.raises(CaptureError, match="not a tensor"):
+        capture(BNDropNet(), (torch.randn(16, 8), 3), loss_fn=F.cross_entropy)
+
+
+def test_error_loss_not_scalar():
+    with pytest.raises(CaptureError, match="scalar"):
+        capture(nn.Linear(4, 4), (torch.randn(5, 4),))
+
+
+def test_error_no_loss_in_output():
+    with pytest.raises(CaptureError, match="no loss"):
+        capture(_NoLoss(), (torch.randn(2, 3),))
+
+
+class _NoLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return {"logits": self.l(x)}
+
+
+def test_unused_param_flags_restored_after_capture():
+    m = BNDropNet()
+    m.l1.bias.requires_grad_(False)  # a frozen parameter stays frozen, others trainable
+    before = [p.requires_grad for p in m.parameters()]
+    capture(m, (torch.randn(16, 8), torch.randint(0, 4, (16,))), loss_fn=F.cross_entropy)
+    assert [p.requires_grad for p in m.parameters()] == before
+    copy.deepcopy(m)  # still a normal module
