@@ -8,6 +8,7 @@ import torch.nn as nn
 
 from .capture import Captured, capture
 from .ir import Graph, Ref, build_graph
+from .ir.passes import decompose_dropout
 from .runtime import OptimizedModule
 from .simulate import MemGraph, MemoryTimeline, simulate_memory
 
@@ -41,6 +42,6 @@ def trace(model: nn.Module, inputs, *, loss_fn: Callable | None = None,
           mode: str = "train") -> Program:
     """Capture ``model`` and build its IR and memory model."""
     cap = capture(model, inputs, loss_fn=loss_fn, mode=mode)
-    g = build_graph(cap)
+    g = decompose_dropout(build_graph(cap))
     mg, op_ids, refs = g.memgraph()
     return Program(model, cap, g, mg, op_ids, refs)

@@ -49,6 +49,8 @@ class Node:
     role: tuple = ()                # inputs: ("param", name) | ("buffer", name) | ("input", i)
     rng: bool = False               # draws from the global RNG
     multi: bool = False             # returns a tuple/list (outputs unpacked)
+    deps: tuple = ()                # extra predecessors (ordering only, no data)
+    region: tuple = ()              # fission: (region id, part k) of an op in a split region
 
 
 def iter_refs(obj) -> Iterator[Ref]:
@@ -60,6 +62,20 @@ def iter_refs(obj) -> Iterator[Ref]:
     elif isinstance(obj, dict):
         for o in obj.values():
             yield from iter_refs(o)
+
+
+def map_refs(obj, fn, counter=None):
+    """Rebuild an args structure with each Ref replaced by fn(ref, index)."""
+    counter = counter if counter is not None else [0]
+    if isinstance(obj, Ref):
+        k = counter[0]
+        counter[0] += 1
+        return fn(obj, k)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_refs(o, fn, counter) for o in obj)
+    if isinstance(obj, dict):
+        return {k: map_refs(v, fn, counter) for k, v in obj.items()}
+    return obj
 
 
 class Graph:
@@ -75,6 +91,8 @@ class Graph:
         for n in nodes:
             for r in iter_refs((n.args, n.kwargs)):
                 edges.add((r.node, n.id))
+            for d in n.deps:
+                edges.add((d, n.id))
         # RNG ops keep their program order in every schedule, so a re-ordered
         # program draws the same random numbers as eager PyTorch (same dropout masks).
         rng = [n.id for n in nodes if n.rng]

@@ -10,10 +10,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import ZooCase
+from .losses import cross_entropy
 
 PAPER = dict(batch=64, image=224, width=64, blocks=(3, 4, 6, 3), classes=1000)
 # Narrow channels at a moderate image size keep activations >> weights on CPU.
-TINY = dict(batch=8, image=64, width=8, blocks=(1, 1, 1, 1), classes=10)
+TINY = dict(batch=32, image=160, width=8, blocks=(2, 2, 2, 2), classes=10)
 
 
 def conv_bn(cin: int, cout: int, k: int, stride: int = 1) -> list[nn.Module]:
@@ -66,4 +67,4 @@ def case(name: str, size: str, seed: int) -> ZooCase:
     y = torch.randint(0, c["classes"], (c["batch"],))
     depth = 2 + 3 * sum(c["blocks"])
     desc = f"ResNet-{depth} (width {c['width']}), batch {c['batch']}, {c['image']}px"
-    return ZooCase(name, size, model, (x, y), F.cross_entropy, torch.float32, desc)
+    return ZooCase(name, size, model, (x, y), cross_entropy, torch.float32, desc)

@@ -1,0 +1,54 @@
+"""U-Net for semantic segmentation (Ronneberger et al.; the common PyTorch layout).
+
+Four max-pool downsamplings of conv-BN-ReLU double convs, transposed-conv
+upsampling, skip connections by channel concat, and a per-pixel cross-entropy
+loss. The long-lived skip tensors are what makes U-Net memory-hungry.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import ZooCase
+from .losses import cross_entropy
+
+PAPER = dict(batch=32, image=256, base=64, depth=4, classes=2)
+TINY = dict(batch=16, image=128, base=8, depth=4, classes=2)
+
+
+def double_conv(cin: int, cout: int) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True),
+        nn.Conv2d(cout, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True),
+    )
+
+
+class UNet(nn.Module):
+    def __init__(self, base: int, depth: int, classes: int, in_ch: int = 3):
+        super().__init__()
+        ch = [base * 2**i for i in range(depth + 1)]
+        self.inc = double_conv(in_ch, ch[0])
+        self.down = nn.ModuleList(
+            nn.Sequential(nn.MaxPool2d(2), double_conv(ch[i], ch[i + 1])) for i in range(depth)
+        )
+        self.up = nn.ModuleList(nn.ConvTranspose2d(ch[i + 1], ch[i], 2, stride=2) for i in reversed(range(depth)))
+        self.dec = nn.ModuleList(double_conv(2 * ch[i], ch[i]) for i in reversed(range(depth)))
+        self.outc = nn.Conv2d(ch[0], classes, 1)
+
+    def forward(self, x):
+        skips = [self.inc(x)]
+        for down in self.down:
+            skips.append(down(skips[-1]))
+        x = skips.pop()
+        for up, dec in zip(self.up, self.dec):
+            x = dec(torch.cat([skips.pop(), up(x)], 1))
+        return self.outc(x)
+
+
+def case(name: str, size: str, seed: int) -> ZooCase:
+    c = PAPER if size == "paper" else TINY
+    model = UNet(c["base"], c["depth"], c["classes"])
+    x = torch.randn(c["batch"], 3, c["image"], c["image"])
+    y = torch.randint(0, c["classes"], (c["batch"], c["image"], c["image"]))
+    desc = f"U-Net (base {c['base']}, depth {c['depth']}), batch {c['batch']}, {c['image']}px"
+    return ZooCase(name, size, model, (x, y), cross_entropy, torch.float32, desc)
