@@ -1,0 +1,174 @@
+"""Minimum-peak order of one block: Serenity's DP over scheduled sets, bounded.
+
+States are the sets of block ops already scheduled (a bitmask int); the bytes live
+between steps depend on the set only (see context.py), so the least peak reaching a
+set is all the DP needs. States are expanded level by level (level k = k ops
+scheduled), merging equal sets.
+
+Two things keep it bounded (see Note [bounded DP]):
+- an upper bound: the peak of the hint order and of a greedy order; a state whose
+  peak already reaches it cannot do better and is dropped (exact: if everything is
+  dropped the bound's own order is optimal);
+- a width cap: a level with more than ``width`` states keeps the ``width`` best by
+  (peak, live bytes) and the result is marked inexact (beam search over the same
+  state space). Cost is O(ops * width * ready ops), never exponential.
+
+Note [bounded DP]: wide parallel branches make the number of downsets explode
+(10 independent 2-op chains already have 3^10 states), while chain-like blocks
+have one state per level. Capping the level width rather than the block size keeps
+long chain-like blocks exact and wide ones fast.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from .context import BlockProblem
+
+STATE_BUDGET = 60_000    # states per block before levels get capped
+MIN_WIDTH = 48
+
+
+@dataclass
+class BlockResult:
+    order: list[int]     # local op ids
+    peak: int
+    exact: bool
+    states: int
+
+
+def _ready0(p: BlockProblem) -> int:
+    r = 0
+    for i, pm in enumerate(p.pred_mask):
+        if pm == 0:
+            r |= 1 << i
+    return r
+
+
+def greedy_order(p: BlockProblem) -> list[int]:
+    """Memory-aware list scheduling: run the ready op with the least step memory,
+    then the one leaving the least live bytes. Beam of width 1; O(m * ready)."""
+    return _search(p, width=1, bound=None)[0] or []
+
+
+def _search(p: BlockProblem, width: int, bound: int | None):
+    """Level-wise DP/beam. Returns (local order or None if bounded out, peak, exact,
+    states)."""
+    m = p.m
+    alloc, frees, pmask, succs = p.alloc, p.frees, p.pred_mask, p.succs
+    full = (1 << m) - 1
+    # An op that allocates nothing never raises memory and may free some: running
+    # it as soon as it is ready is optimal (exchange argument), so a state with
+    # such an op ready expands only that op. Views and detaches would otherwise
+    # multiply the states.
+    zero = 0
+    for i, a in enumerate(alloc):
+        if a == 0:
+            zero |= 1 << i
+    # state: mask -> (peak, live, ready, parent mask, op)
+    level = {0: (0, p.base, _ready0(p), -1, -1)}
+    history = []
+    exact, states = True, 1
+    for _ in range(m):
+        nxt: dict[int, tuple] = {}
+        for mask, (peak, live, ready, _, _) in level.items():
+            r = ready & zero
+            r = (r & -r) if r else ready
+            while r:
+                low = r & -r
+                r ^= low
+                v = low.bit_length() - 1
+                step = live + alloc[v]
+                np_ = peak if peak >= step else step
+                if bound is not None and np_ >= bound:
+                    continue
+                nm = mask | low
+                old = nxt.get(nm)
+                if old is not None and old[0] <= np_:
+                    continue
+                freed = 0
+                for need, sz in frees[v]:
+                    if need & ~nm == 0:
+                        freed += sz
+                nr = ready ^ low
+                for u in succs[v]:
+                    if pmask[u] & ~nm == 0:
+                        nr |= 1 << u
+                nxt[nm] = (np_, step - freed, nr, mask, v)
+        if not nxt:
+            return None, bound, exact, states
+        if len(nxt) > width:
+            exact = False
+            keep = sorted(nxt.items(), key=lambda kv: (kv[1][0], kv[1][1]))[:width]
+            nxt = dict(keep)
+        states += len(nxt)
+        history.append(level)
+        level = nxt
+    peak = level[full][0]
+    order, mask = [], full
+    for lv in reversed(history + [level]):
+        st = lv[mask]
+        if st[4] < 0:
+            break
+        order.append(st[4])
+        mask = st[3]
+    order.reverse()
+    return order, peak, exact, states
+
+
+def solve_block(p: BlockProblem, hint: Sequence[int] | None = None, *,
+                budget: int = STATE_BUDGET) -> BlockResult:
+    """Least-peak local order of ``p``; never worse than ``hint`` (a local order).
+
+    Exact (``exact=True``) when no level had to be capped.
+    """
+    m = p.m
+    if m == 0:
+        return BlockResult([], 0, True, 0)
+    cands = []
+    if hint is not None:
+        cands.append((p.peak_of(hint)[0], list(hint)))
+    g = greedy_order(p)
+    cands.append((p.peak_of(g)[0], g))
+    best_peak, best = min(cands, key=lambda c: c[0])
+    if m == 1:
+        return BlockResult(best, best_peak, True, 1)
+    width = max(MIN_WIDTH, budget // m)
+    order, peak, exact, states = _search(p, width, best_peak)
+    if order is not None and peak < best_peak:
+        return BlockResult(order, peak, exact, states)
+    # Nothing strictly below the bound: the bound's order is optimal when exact.
+    return BlockResult(best, best_peak, exact, states)
+
+
+def solve_blocks(g, unit: Sequence[int], blocks: dict[int, list[int]], n_units: int,
+                 hint_pos: Sequence[int] | None = None, *,
+                 budget: int = STATE_BUDGET) -> tuple[dict[int, list[int]], bool]:
+    """Order every block of a unit assignment in context (see context.py).
+
+    Returns ({unit: global op order}, all blocks exact). ``hint_pos[v]`` is op v's
+    position in a reference order; within a block the result is never worse than
+    the reference order restricted to the block.
+    """
+    from .context import block_problems
+    probs = block_problems(g, unit, blocks, n_units)
+    out, exact = {}, True
+    for u, p in probs.items():
+        hint = None
+        if hint_pos is not None:
+            hint = sorted(range(p.m), key=lambda i: hint_pos[p.ops[i]])
+            if not _valid_local(p, hint):
+                hint = None
+        r = solve_block(p, hint, budget=budget)
+        exact = exact and r.exact
+        out[u] = [p.ops[i] for i in r.order]
+    return out, exact
+
+
+def _valid_local(p: BlockProblem, order: Sequence[int]) -> bool:
+    done = 0
+    for v in order:
+        if p.pred_mask[v] & ~done:
+            return False
+        done |= 1 << v
+    return True

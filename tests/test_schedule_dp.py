@@ -1,0 +1,99 @@
+"""Exact peaks of the DP scheduler on small graphs of 1 MiB-sized storages."""
+import itertools
+
+from magis_nb.schedule import schedule, solve_block
+from magis_nb.schedule.context import block_problems
+from magis_nb.schedule.random_graphs import transformer_like
+from magis_nb.simulate.memory import MemGraph, Storage, peak_memory, simulate_memory
+
+MiB = 1 << 20
+
+
+def graph(ops, storages, names=None):
+    """ops: preds per op; storages: (size MiB, producer, users, keep)."""
+    st = [Storage(sz * MiB, p, tuple(u), k) for sz, p, u, k in storages]
+    return MemGraph(len(ops), [list(p) for p in ops], st,
+                    names or [f"op{i}" for i in range(len(ops))])
+
+
+def two_branches(after=False):
+    """x -> a; branch R: r(2) -> t(2); branch P: p(5) -> q(1); out = join(t, q).
+
+    The program emits R first (op order); running P first is better because P's
+    big temporary then meets only a small tensor. ``after`` adds an op z after
+    the join that reads a (a stays live through the branches).
+    """
+    ops = [[], [0], [1], [0], [3], [2, 4]]
+    st = [(1, -1, [0], False),             # x, resident
+          (1, 0, [1, 3] + ([6] if after else []), False),   # a
+          (2, 1, [2], False),              # r
+          (2, 2, [5], False),              # t
+          (5, 3, [4], False),              # p
+          (1, 4, [5], False),              # q
+          (1, 5, [6] if after else [], True)]   # out (kept)
+    if after:
+        ops.append([0, 5])
+        st.append((1, 6, [], True))        # z
+    return graph(ops, st)
+
+
+def brute_force(g):
+    return min(peak_memory(g, o) for o in itertools.permutations(range(g.n))
+               if g.is_topological(o))
+
+
+def test_program_order_peak_exact():
+    g = two_branches()
+    # steps: a 2, r 4, t 6, p 1+1+2+5=9, q 1+2+5+1=9, out 1+2+1+1=5
+    assert simulate_memory(g, range(6)).live == [m * MiB for m in (2, 4, 6, 9, 9, 5)]
+    assert schedule(g, method="program").peak == 9 * MiB
+
+
+def test_dp_beats_program_order():
+    g = two_branches()
+    s = schedule(g)
+    assert s.peak == 8 * MiB == brute_force(g)
+    assert s.order == [0, 3, 4, 1, 2, 5]      # P branch first
+    assert s.peak == peak_memory(g, s.order) and s.reference_peak == 9 * MiB
+
+
+def test_block_in_context():
+    """Schedule ops 1..5 as a block after fixed op 0 and before fixed op 6 (which
+    keeps a live through the block); the block peak is simulate_memory's."""
+    g = two_branches(after=True)
+    unit = [0, 1, 1, 1, 1, 1, 2]
+    probs = block_problems(g, unit, {1: [1, 2, 3, 4, 5]}, 3)
+    p = probs[1]
+    assert p.base == 2 * MiB                  # x and a are live at block start
+    r = solve_block(p, hint=[0, 1, 2, 3, 4])  # program order inside the block
+    assert r.exact and r.peak == 8 * MiB
+    assert p.peak_of([0, 1, 2, 3, 4])[0] == 10 * MiB   # R first: 1+1+2+5+1
+    full = [0] + [p.ops[i] for i in r.order] + [6]
+    tl = simulate_memory(g, full)
+    assert max(tl.live[1:6]) == r.peak and tl.peak == 8 * MiB == brute_force(g)
+
+
+def test_chain_and_unused_output():
+    # a(1) -> b(3) -> c(1); b also produces an unused 2 MiB output (live only
+    # during b); resident weight 1 MiB.
+    g = graph([[], [0], [1]], [(1, -1, [0, 1, 2], False), (1, 0, [1], False),
+                               (3, 1, [2], False), (2, 1, [], False),
+                               (1, 2, [], True)])
+    s = schedule(g)
+    assert s.order == [0, 1, 2] and s.peak == (1 + 1 + 3 + 2) * MiB
+
+
+def test_big_chain_of_blocks_is_fast_and_exact():
+    g = transformer_like(80)                  # ~3700 ops, BERT-like joint graph
+    assert g.n > 3000
+    s = schedule(g)
+    assert g.is_topological(s.order) and s.peak == peak_memory(g, s.order)
+    assert s.peak <= s.reference_peak and s.exact   # timed in the bench, not here
+
+
+def test_lower_bound():
+    from magis_nb.schedule.bounds import order_lower_bound
+    g = two_branches()
+    # at q: x, p, q are certain; at t: x, r, t; a is certain only at a, r, p
+    assert order_lower_bound(g) <= schedule(g).peak == 8 * MiB
+    assert order_lower_bound(g) == 7 * MiB   # p's step: x + a + p
