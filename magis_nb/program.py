@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from .capture import Captured, capture
 from .ir import Graph, Ref, build_graph
-from .ir.passes import decompose_dropout
+from .ir.passes import decompose_dropout, split_mean_loss
 from .runtime import OptimizedModule
 from .simulate import MemGraph, MemoryTimeline, simulate_memory
 
@@ -21,6 +21,16 @@ class Program:
     memgraph: MemGraph
     op_ids: list[int]              # memgraph op index -> graph node id
     storage_refs: list[Ref]        # memgraph storage index -> base tensor
+
+    def with_graph(self, graph: Graph) -> "Program":
+        """The same captured step with a rewritten graph (e.g. after fission)."""
+        mg, op_ids, refs = graph.memgraph()
+        return Program(self.model, self.captured, graph, mg, op_ids, refs)
+
+    def hotspots(self, mg_order: Sequence[int] | None = None) -> dict[Ref, int]:
+        """Storages live at the peak -> bytes (the paper's H)."""
+        tl = self.simulate(mg_order)
+        return {self.storage_refs[i]: self.memgraph.storages[i].size for i in tl.hotspots}
 
     def to_node_order(self, mg_order: Sequence[int]) -> list[int]:
         return [self.op_ids[i] for i in mg_order]
@@ -42,6 +52,6 @@ def trace(model: nn.Module, inputs, *, loss_fn: Callable | None = None,
           mode: str = "train") -> Program:
     """Capture ``model`` and build its IR and memory model."""
     cap = capture(model, inputs, loss_fn=loss_fn, mode=mode)
-    g = decompose_dropout(build_graph(cap))
+    g = split_mean_loss(decompose_dropout(build_graph(cap)))
     mg, op_ids, refs = g.memgraph()
     return Program(model, cap, g, mg, op_ids, refs)

@@ -83,3 +83,37 @@ def check_step(model: nn.Module, inputs: tuple, loss_fn, mode: str,
     eager = measure_cpu(lambda: eager_step(ref, inputs, loss_fn, mode), model_baseline(ref, inputs))
     cmp = compare_models(ref, model, eager.result, ours.result, rtol=rtol, atol=atol)
     return StepCheck(cmp, ours.peak, ours.baseline, eager.peak)
+
+
+class Reference:
+    """Eager PyTorch's result for one step, computed once, to hold many plans against.
+
+    Every ``check`` starts from the model's state at construction (parameters,
+    buffers, no grads) and puts it back afterwards.
+    """
+
+    def __init__(self, model: nn.Module, inputs: tuple, loss_fn, mode: str, seed: int = 0):
+        self.model, self.inputs, self.loss_fn, self.mode, self.seed = model, inputs, loss_fn, mode, seed
+        self._state = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
+        self.ref = copy.deepcopy(model)
+        for p in self.ref.parameters():
+            p.grad = None
+        torch.manual_seed(seed)
+        m = measure_cpu(lambda: eager_step(self.ref, inputs, loss_fn, mode),
+                        model_baseline(self.ref, inputs))
+        self.out, self.eager_peak = m.result, m.peak
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for k, v in self.model.state_dict(keep_vars=True).items():
+                v.copy_(self._state[k])
+        for p in self.model.parameters():
+            p.grad = None
+
+    def check(self, runner: Callable, *, rtol=RTOL, atol=ATOL) -> StepCheck:
+        self.restore()
+        torch.manual_seed(self.seed)
+        ours = measure_cpu(lambda: runner(*self.inputs), model_baseline(self.model, self.inputs))
+        cmp = compare_models(self.ref, self.model, self.out, ours.result, rtol=rtol, atol=atol)
+        self.restore()
+        return StepCheck(cmp, ours.peak, ours.baseline, self.eager_peak)

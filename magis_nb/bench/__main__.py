@@ -8,6 +8,7 @@ COMMANDS = {
     "simcheck": "simulated vs measured peak and eager equality of every tiny zoo model",
     "capture": "capture every paper-size zoo model on fake tensors (time, peak RSS)",
     "sched": "DP / incremental scheduling against program order",
+    "fission": "F-Tree candidates of every tiny zoo model, split, measured, checked",
 }
 
 

@@ -9,8 +9,20 @@ that as ``empty_like`` + ``bernoulli_`` (the only RNG op, kept in program order)
 + ``native_dropout_backward(x, mask, scale)`` (elementwise, splittable). The
 masks and outputs are bit-identical to eager's (tests/test_passes.py checks it),
 and the memory is the same: one bool mask and one output.
+
+Note [a mean loss as a sum over the batch]
+A mean NLL loss divides by the total weight of the whole batch, so no part of a
+split batch can compute its share, and the backward's seed ``ones_like(loss)``
+makes every gradient depend on the loss *value*. Both block a fission region that
+runs forward, loss and backward part by part (micro-batching, the biggest saving
+in a training step). We rewrite ``nll_loss_forward(x, t, None, mean)`` as
+``nll_loss_forward(x, t, None, sum) / count(t != ignore_index)`` -- the count
+depends on the targets only -- and ``ones_like``/``zeros_like`` as ``full`` of the
+same shape, which depends on nothing. Results equal eager's to fp32 rounding.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -20,52 +32,109 @@ from .graph import Graph, Node, Ref, TensorInfo, map_refs
 aten = torch.ops.aten
 
 
-def decompose_dropout(g: Graph) -> Graph:
-    if not any(n.target == "aten.native_dropout.default" and _train(n) for n in g.nodes):
-        return g
-    nodes: list[Node] = []
-    remap: dict[Ref, Ref] = {}
-    taken = {n.name for n in g.nodes}
+class _Rewriter:
+    """Copies a graph node by node (ids stay topological) while a rule may replace
+    a node by several; ``fix`` maps old refs to new ones."""
 
-    def fix(r: Ref, _k=None) -> Ref:
-        return remap.get(r, r)
+    def __init__(self, g: Graph):
+        self.g = g
+        self.nodes: list[Node] = []
+        self.remap: dict[Ref, Ref] = {}
+        self.taken = {n.name for n in g.nodes}
 
-    def add(node: Node) -> int:
-        node.id = len(nodes)
-        nodes.append(node)
-        return node.id
+    def fix(self, r: Ref, _k=None) -> Ref:
+        return self.remap.get(r, r)
 
-    for n in g.nodes:
-        if n.target == "aten.native_dropout.default" and _train(n):
-            x = fix(n.args[0])
-            p = float(n.args[1])
-            out_t, mask_t = n.outputs
-            empty = add(Node(0, _ident(n.name + "_mask", taken), "op", "aten.empty_like.default",
-                             aten.empty_like.default, (x,),
-                             {"dtype": torch.bool},
-                             [TensorInfo(mask_t.shape, mask_t.dtype, mask_t.nbytes)], n.category))
-            draw = add(Node(0, _ident(n.name + "_draw", taken), "op", "aten.bernoulli_.float",
-                            aten.bernoulli_.float, (Ref(empty, 0), 1.0 - p), {},
-                            [TensorInfo(mask_t.shape, mask_t.dtype, 0, Ref(empty, 0))],
-                            n.category, rng=True))
-            scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
-            apply = add(Node(0, n.name, "op", "aten.native_dropout_backward.default",
-                             aten.native_dropout_backward.default, (x, Ref(draw, 0), scale), {},
-                             [TensorInfo(out_t.shape, out_t.dtype, out_t.nbytes)], n.category))
-            remap[Ref(n.id, 0)] = Ref(apply, 0)
-            remap[Ref(n.id, 1)] = Ref(draw, 0)
-            continue
-        new = Node(0, n.name, n.kind, n.target, n.op, map_refs(n.args, fix),
+    def add(self, name, target, op, args, kwargs, outputs, category, *, rng=False, keep_name=False) -> int:
+        nid = len(self.nodes)
+        nm = name if keep_name else _ident(name, self.taken)
+        self.nodes.append(Node(nid, nm, "op", target, op, tuple(args), dict(kwargs), outputs,
+                               category, rng=rng))
+        return nid
+
+    def copy(self, n: Node) -> None:
+        fix = self.fix
+        new = Node(len(self.nodes), n.name, n.kind, n.target, n.op, map_refs(n.args, fix),
                    map_refs(n.kwargs, fix), [None if t is None else TensorInfo(
                        t.shape, t.dtype, t.nbytes, None if t.alias is None else fix(t.alias))
                        for t in n.outputs],
-                   n.category, n.role, n.rng, n.multi, tuple(fix(Ref(d, 0)).node for d in n.deps),
-                   n.region)
-        old = n.id
-        add(new)
+                   n.category, n.role, n.rng, n.multi,
+                   tuple(fix(Ref(d, 0)).node for d in n.deps), n.region)
+        self.nodes.append(new)
         for i in range(len(n.outputs)):
-            remap[Ref(old, i)] = Ref(new.id, i)
-    return Graph(nodes, [fix(r) for r in g.outputs], g.output_roles)
+            self.remap[Ref(n.id, i)] = Ref(new.id, i)
+
+    def run(self, rule) -> Graph:
+        for n in self.g.nodes:
+            if not rule(self, n):
+                self.copy(n)
+        return Graph(self.nodes, [self.fix(r) for r in self.g.outputs], self.g.output_roles)
+
+
+def _dropout_rule(rw: _Rewriter, n: Node) -> bool:
+    if n.target != "aten.native_dropout.default" or not _train(n):
+        return False
+    x = rw.fix(n.args[0])
+    p = float(n.args[1])
+    out_t, mask_t = n.outputs
+    empty = rw.add(n.name + "_mask", "aten.empty_like.default", aten.empty_like.default, (x,),
+                   {"dtype": torch.bool}, [TensorInfo(mask_t.shape, mask_t.dtype, mask_t.nbytes)],
+                   n.category)
+    draw = rw.add(n.name + "_draw", "aten.bernoulli_.float", aten.bernoulli_.float,
+                  (Ref(empty, 0), 1.0 - p), {},
+                  [TensorInfo(mask_t.shape, mask_t.dtype, 0, Ref(empty, 0))], n.category, rng=True)
+    scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
+    apply = rw.add(n.name, "aten.native_dropout_backward.default",
+                   aten.native_dropout_backward.default, (x, Ref(draw, 0), scale), {},
+                   [TensorInfo(out_t.shape, out_t.dtype, out_t.nbytes)], n.category, keep_name=True)
+    rw.remap[Ref(n.id, 0)] = Ref(apply, 0)
+    rw.remap[Ref(n.id, 1)] = Ref(draw, 0)
+    return True
+
+
+def decompose_dropout(g: Graph) -> Graph:
+    if not any(n.target == "aten.native_dropout.default" and _train(n) for n in g.nodes):
+        return g
+    return _Rewriter(g).run(_dropout_rule)
+
+
+_NLL = ("aten.nll_loss_forward.default", "aten.nll_loss2d_forward.default")
+
+
+def _mean_loss_rule(rw: _Rewriter, n: Node) -> bool:
+    """See Note [a mean loss as a sum over the batch]."""
+    if n.target in ("aten.ones_like.default", "aten.zeros_like.default"):
+        t = n.outputs[0]
+        fill = 1.0 if n.target.startswith("aten.ones") else 0.0
+        kw = {"dtype": t.dtype, "layout": torch.strided, "device": torch.device("cpu"),
+              "pin_memory": False}
+        nid = rw.add(n.name, "aten.full.default", aten.full.default, (list(t.shape), fill), kw,
+                     [TensorInfo(t.shape, t.dtype, t.nbytes)], n.category, keep_name=True)
+        rw.remap[Ref(n.id, 0)] = Ref(nid, 0)
+        return True
+    if n.target not in _NLL or n.args[2] is not None or n.args[3] != 1:
+        return False
+    logp, target = rw.fix(n.args[0]), rw.fix(n.args[1])
+    ignore = n.args[4]
+    loss_t, tw_t = n.outputs
+    ne = rw.add(n.name + "_counted", "aten.ne.Scalar", aten.ne.Scalar, (target, ignore), {},
+                [TensorInfo(rw.g.tensor(n.args[1]).shape, torch.bool,
+                            math.prod(rw.g.tensor(n.args[1]).shape))], n.category)
+    tw = rw.add(n.name + "_weight", "aten.sum.default", aten.sum.default, (Ref(ne, 0),),
+                {"dtype": tw_t.dtype}, [TensorInfo(tw_t.shape, tw_t.dtype, tw_t.nbytes)], n.category)
+    fwd = rw.add(n.name + "_sum", n.target, n.op, (logp, target, None, 2, ignore), {},
+                 [TensorInfo(loss_t.shape, loss_t.dtype, loss_t.nbytes),
+                  TensorInfo(tw_t.shape, tw_t.dtype, tw_t.nbytes)], n.category)
+    rw.nodes[fwd].multi = True
+    loss = rw.add(n.name, "aten.div.Tensor", aten.div.Tensor, (Ref(fwd, 0), Ref(tw, 0)), {},
+                  [TensorInfo(loss_t.shape, loss_t.dtype, loss_t.nbytes)], n.category, keep_name=True)
+    rw.remap[Ref(n.id, 0)] = Ref(loss, 0)
+    rw.remap[Ref(n.id, 1)] = Ref(tw, 0)
+    return True
+
+
+def split_mean_loss(g: Graph) -> Graph:
+    return _Rewriter(g).run(_mean_loss_rule)
 
 
 def _train(n: Node) -> bool:

@@ -66,36 +66,138 @@ def _shape_note(g: Graph, nid: int) -> str:
     return ", ".join(outs)
 
 
-def generate(g: Graph, order: Sequence[int], fn_name: str = "step") -> str:
-    """Python source of ``def step(_dev, *inputs) -> tuple(outputs)``."""
+def _lastuse(g: Graph, order: Sequence[int]) -> tuple[dict[int, list[Ref]], set[Ref]]:
+    """Refs to delete after each position (their last use), as the simulator frees."""
     pos = {nid: i for i, nid in enumerate(order)}
-    if sorted(pos) != sorted(n.id for n in g.ops):
-        raise ValueError("the schedule must contain every op exactly once")
     returned = set(g.outputs)
     last: dict[Ref, int] = {}
     for nid in order:
         for r in iter_refs((g.nodes[nid].args, g.nodes[nid].kwargs)):
             last[r] = max(last.get(r, -1), pos[nid])
-    dels: dict[int, list[str]] = {}
+    dels: dict[int, list[Ref]] = {}
     for r, p in last.items():
         if r not in returned and g.nodes[r.node].kind == "op":
-            dels.setdefault(p, []).append(_var(g, r))
-
-    params = ", ".join(["_dev"] + [n.name for n in g.inputs])
-    lines = [f"def {fn_name}({params}):"]
+            dels.setdefault(p, []).append(r)
     for i, nid in enumerate(order):
-        n = g.nodes[nid]
-        outs = [Ref(nid, k) for k in range(len(n.outputs))]
-        lhs = ", ".join(_var(g, r) for r in outs)
-        if len(outs) == 1 and n.multi:
-            lhs += ","
-        lines.append(f"    {lhs} = {_call(g, nid)}  # {_shape_note(g, nid)}")
         # Outputs nobody reads are dropped at once (e.g. the unused parts of a
         # multi-output op), as the simulator assumes.
-        dead = [_var(g, r) for r in outs if r not in last and r not in returned]
-        gone = sorted(set(dels.get(i, []) + dead))
-        if gone:
-            lines.append(f"    del {', '.join(gone)}")
+        for k in range(len(g.nodes[nid].outputs)):
+            r = Ref(nid, k)
+            if r not in last and r not in returned:
+                dels.setdefault(i, []).append(r)
+    return dels, returned
+
+
+def _line(g: Graph, nid: int, loop_var: bool = False) -> str:
+    n = g.nodes[nid]
+    outs = [Ref(nid, k) for k in range(len(n.outputs))]
+    lhs = ", ".join(_var(g, r) for r in outs)
+    if len(outs) == 1 and n.multi:
+        lhs += ","
+    call = _call(g, nid)
+    if loop_var and n.target == "aten.narrow.default" and len(n.region) == 4 and n.region[3]:
+        # part k of a fission loop reads its slice at k * chunk
+        src, dim, _, c = n.args
+        call = f"aten.narrow.default({_render(g, src)}, {dim}, _k * {c}, {c})"
+    if not outs:
+        return call
+    return f"{lhs} = {call}  # {_shape_note(g, nid)}"
+
+
+def _loop_at(g: Graph, order: Sequence[int], i: int, sizes: dict[int, int]):
+    """(parts, part length) when order[i:] starts a fission region whose parts are
+    contiguous and identical op for op, so it can be emitted as a loop."""
+    reg = g.nodes[order[i]].region
+    if len(reg) != 4 or reg[1] != 0:
+        return None
+    rid, _, n, _ = reg
+    total = sizes[rid]
+    if total % n or i + total > len(order):
+        return None
+    L = total // n
+    run = order[i:i + total]
+    sig0 = None
+    for k in range(n):
+        part = run[k * L:(k + 1) * L]
+        if any(g.nodes[v].region[:2] != (rid, k) for v in part):
+            return None
+        sig = _part_signature(g, part)
+        if sig0 is None:
+            sig0 = sig
+        elif sig != sig0:
+            return None
+    return n, L
+
+
+def _part_signature(g: Graph, part: Sequence[int]) -> list:
+    """What a part computes, with its own tensors by position and slice offsets
+    left out: two parts with equal signatures run the same loop body."""
+    where = {v: t for t, v in enumerate(part)}
+
+    def norm(obj):
+        if isinstance(obj, Ref):
+            return ("part", where[obj.node], obj.out) if obj.node in where else ("ext", obj)
+        if isinstance(obj, (list, tuple)):
+            return tuple(norm(o) for o in obj)
+        if isinstance(obj, dict):
+            return tuple(sorted((k, norm(v)) for k, v in obj.items()))
+        return repr(obj)
+
+    sig = []
+    for v in part:
+        n = g.nodes[v]
+        args = list(n.args)
+        if n.target == "aten.narrow.default" and len(n.region) == 4 and n.region[3]:
+            args[2] = None
+        sig.append((n.target, norm(tuple(args)), norm(n.kwargs)))
+    return sig
+
+
+def generate(g: Graph, order: Sequence[int], fn_name: str = "step") -> str:
+    """Python source of ``def step(_dev, *inputs) -> tuple(outputs)``.
+
+    A fission region whose parts are contiguous in ``order`` becomes a loop over
+    its parts; its memory behaviour is exactly that of the unrolled program (a
+    variable from outside the loop is deleted in the last iteration, where the
+    unrolled program would delete it).
+    """
+    if sorted(order) != sorted(n.id for n in g.ops):
+        raise ValueError("the schedule must contain every op exactly once")
+    dels, _ = _lastuse(g, order)
+    sizes: dict[int, int] = {}
+    for n in g.ops:
+        if len(n.region) == 4:
+            sizes[n.region[0]] = sizes.get(n.region[0], 0) + 1
+    params = ", ".join(["_dev"] + [n.name for n in g.inputs])
+    lines = [f"def {fn_name}({params}):"]
+    i = 0
+    while i < len(order):
+        loop = _loop_at(g, order, i, sizes)
+        if loop is None:
+            lines.append("    " + _line(g, order[i]))
+            gone = sorted({_var(g, r) for r in dels.get(i, [])})
+            if gone:
+                lines.append(f"    del {', '.join(gone)}")
+            i += 1
+            continue
+        n, L = loop
+        lastpart = {order[i + (n - 1) * L + t]: order[i + t] for t in range(L)}
+        lines.append(f"    # fission region {g.nodes[order[i]].region[0]}: {L} ops, {n} parts")
+        lines.append(f"    for _k in range({n}):")
+        for t in range(L):
+            lines.append("        " + _line(g, order[i + t], loop_var=True))
+            now, later = set(), set()
+            for r in dels.get(i + (n - 1) * L + t, []):
+                if r.node in lastpart:
+                    now.add(_var(g, Ref(lastpart[r.node], r.out)))
+                else:
+                    later.add(_var(g, r))
+            if now:
+                lines.append(f"        del {', '.join(sorted(now))}")
+            if later:
+                lines.append(f"        if _k == {n - 1}:")
+                lines.append(f"            del {', '.join(sorted(later))}")
+        i += n * L
     ret = ", ".join(_var(g, r) for r in g.outputs)
     lines.append(f"    return ({ret},)" if len(g.outputs) == 1 else f"    return ({ret})")
     return "\n".join(lines) + "\n"

@@ -1,0 +1,316 @@
+"""Apply enabled F-Trans to a graph: each region becomes n parts run one after another.
+
+The result is an ordinary Graph, so the memory simulator, the schedulers and the
+code generator need nothing special for fission: part k of a region reads
+``narrow`` views of the inputs it splits (no copy), runs the region's ops on
+part-sized tensors, and writes its outputs into the full result:
+  - an output that carries the axis: ``empty`` of the full shape before part 0,
+    then ``copy_`` of each part into its ``narrow`` slice;
+  - an output reduced over the axis: part 0 is cloned, later parts are added
+    (``add_``), or merged with ``maximum``/``minimum``, mean divides at the end.
+A final ``alias`` node, ordered after every write, stands for the full result.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Iterable
+
+import torch
+
+from ..ir.build import _alias_arg, _ident
+from ..ir.graph import Graph, Node, Ref, TensorInfo, iter_refs, map_refs
+from .dgraph import DGraph
+from .ftrans import FTrans, check, plan_outputs
+
+aten = torch.ops.aten
+
+
+def _itemsize(t: TensorInfo) -> int:
+    try:
+        return torch.empty((), dtype=t.dtype).element_size()
+    except Exception:  # noqa: BLE001
+        n = math.prod(t.shape)
+        return t.nbytes // n if n else 4
+
+
+def _info(shape, like: TensorInfo, alias: Ref | None = None) -> TensorInfo:
+    shape = tuple(shape)
+    nbytes = 0 if alias is not None else math.prod(shape) * _itemsize(like)
+    return TensorInfo(shape, like.dtype, nbytes, alias)
+
+
+class _Builder:
+    """Collects proto nodes (ids are provisional) with a sort key for the final order."""
+
+    def __init__(self, g: Graph):
+        self.g = g
+        self.nodes: list[Node] = []
+        self.keys: list[tuple] = []
+        self.taken = {n.name for n in g.nodes}
+
+    def add(self, node: Node, key: tuple, fresh_name: str | None = None) -> int:
+        node.id = len(self.nodes)
+        if fresh_name is not None:
+            node.name = _ident(fresh_name, self.taken)
+        self.nodes.append(node)
+        self.keys.append(key)
+        return node.id
+
+    def op(self, target, op, args, kwargs, outputs, key, name, category, region=(), deps=()):
+        return self.add(Node(0, "", "op", target, op, tuple(args), dict(kwargs), outputs,
+                             category, region=region, deps=tuple(deps)), key, name)
+
+    def finish(self, outputs: list[Ref], roles) -> Graph:
+        """Topologically order the proto nodes (ties broken by key) and renumber."""
+        n = len(self.nodes)
+        preds = [set() for _ in range(n)]
+        for v in self.nodes:
+            for r in iter_refs((v.args, v.kwargs)):
+                preds[v.id].add(r.node)
+            preds[v.id].update(v.deps)
+        succs = [[] for _ in range(n)]
+        for v in range(n):
+            for p in preds[v]:
+                succs[p].append(v)
+        indeg = [len(p) for p in preds]
+        heap = [(self.keys[v], v) for v in range(n) if indeg[v] == 0]
+        heapq.heapify(heap)
+        order = []
+        while heap:
+            _, v = heapq.heappop(heap)
+            order.append(v)
+            for w in succs[v]:
+                indeg[w] -= 1
+                if indeg[w] == 0:
+                    heapq.heappush(heap, (self.keys[w], w))
+        if len(order) != n:
+            raise RuntimeError("fission produced a cyclic graph (please report this)")
+        new = {old: i for i, old in enumerate(order)}
+        remap = lambda r, _k: Ref(new[r.node], r.out)  # noqa: E731
+        out_nodes = []
+        for old in order:
+            v = self.nodes[old]
+            v.id = new[old]
+            v.args = map_refs(v.args, remap)
+            v.kwargs = map_refs(v.kwargs, remap)
+            v.deps = tuple(sorted(new[d] for d in v.deps))
+            v.outputs = [None if t is None else TensorInfo(
+                t.shape, t.dtype, t.nbytes, None if t.alias is None else Ref(new[t.alias.node], t.alias.out))
+                for t in v.outputs]
+            out_nodes.append(v)
+        return Graph(out_nodes, [Ref(new[r.node], r.out) for r in outputs], roles)
+
+
+def apply_fission(dg: DGraph, regions: Iterable[FTrans]) -> Graph:
+    """A new Graph with every enabled region split; regions must not overlap."""
+    g = dg.graph
+    regions = [f for f in regions if f.enabled]
+    owner: dict[int, int] = {}
+    for i, f in enumerate(regions):
+        why = check(dg, f.ops, f.comp, f.n)
+        if why:
+            raise ValueError(f"invalid fission region {i}: {why}")
+        for v in f.ops:
+            if v in owner:
+                raise ValueError("fission regions overlap (nested fission is not supported)")
+            owner[v] = i
+    b = _Builder(g)
+    proto: dict[int, int] = {}            # original node id -> proto id (unsplit nodes)
+    joined: dict[Ref, Ref] = {}           # region output -> proto ref of the full result
+    plans = [plan_outputs(dg, f) for f in regions]
+    # Region outputs get their proto ids first so that later consumers can point to them.
+    for n in g.nodes:
+        if n.id in owner:
+            continue
+        proto[n.id] = b.add(_copy(n), (n.id, 0, 0, 0))
+    for i, f in enumerate(regions):
+        _expand_region(b, dg, f, i, plans[i], joined)
+
+    def resolve(r: Ref, _k=None) -> Ref:
+        if r in joined:
+            return joined[r]
+        return Ref(proto[r.node], r.out)
+
+    for n in g.nodes:
+        if n.id in owner:
+            continue
+        v = b.nodes[proto[n.id]]
+        v.args = map_refs(n.args, resolve)
+        v.kwargs = map_refs(n.kwargs, resolve)
+        v.deps = tuple(proto[d] for d in n.deps)
+        v.outputs = [None if t is None else TensorInfo(t.shape, t.dtype, t.nbytes,
+                                                       None if t.alias is None else resolve(t.alias))
+                     for t in n.outputs]
+    # Region nodes were built with "external" refs in original ids: resolve them now.
+    for v in b.nodes:
+        if getattr(v, "_pending", False):
+            v.args = map_refs(v.args, lambda r, _k: resolve(r) if isinstance(r, _Ext) else r)
+            v.kwargs = map_refs(v.kwargs, lambda r, _k: resolve(r) if isinstance(r, _Ext) else r)
+            v.outputs = [None if t is None else TensorInfo(
+                t.shape, t.dtype, t.nbytes,
+                resolve(t.alias) if isinstance(t.alias, _Ext) else t.alias) for t in v.outputs]
+            del v._pending
+    return b.finish([resolve(r) for r in g.outputs], g.output_roles)
+
+
+class _Ext(Ref):
+    """A reference to a tensor of the original graph, resolved after all regions exist."""
+
+
+def _copy(n: Node) -> Node:
+    return Node(n.id, n.name, n.kind, n.target, n.op, n.args, dict(n.kwargs), list(n.outputs),
+                n.category, n.role, n.rng, n.multi, n.deps, n.region)
+
+
+def _expand_region(b: _Builder, dg: DGraph, f: FTrans, rid: int, plan, joined) -> None:
+    g = dg.graph
+    ops = sorted(f.ops)
+    # Every input of the region comes from an op with a smaller id than its last
+    # op, so keying the region there keeps its parts together in program order.
+    last = ops[-1]
+    n = f.n
+    seq = [0]
+
+    def key(phase, k):
+        seq[0] += 1
+        return (last, phase, k, seq[0])
+
+    # Full-size destinations of concatenated outputs, allocated before part 0.
+    dest: dict[Ref, int] = {}
+    for r, (how, dim) in plan.items():
+        if how == "cat":
+            t = g.tensor(r)
+            dest[r] = b.op("aten.empty.memory_format", aten.empty.memory_format,
+                           [list(t.shape)], {"dtype": t.dtype, "layout": torch.strided,
+                                             "device": torch.device("cpu"), "pin_memory": False},
+                           [_info(t.shape, t)], key(0, 0), g.nodes[r.node].name + "_full",
+                           g.nodes[r.node].category)
+        else:
+            # Reductions accumulate in place into a full-size tensor made before part 0
+            # (0 for sums, -inf/+inf for max/min), so every part runs the same code.
+            t = g.tensor(r)
+            fill = {"sum": 0.0, "mean": 0.0, "max": float("-inf"), "min": float("inf")}[how]
+            acc_init = b.op("aten.full.default", aten.full.default, [list(t.shape), fill],
+                            {"dtype": t.dtype, "layout": torch.strided,
+                             "device": torch.device("cpu"), "pin_memory": False},
+                            [_info(t.shape, t)], key(0, 0), g.nodes[r.node].name + "_acc",
+                            g.nodes[r.node].category)
+            dest[r] = acc_init
+    writes: dict[Ref, list[int]] = {r: [] for r in plan}
+    prev_part: list[int] = []
+    for k in range(n):
+        first_of_part = len(b.nodes)
+        part: dict[Ref, Ref] = {}
+        narrows: dict[tuple[Ref, int], Ref] = {}
+
+        def sliced(r: Ref, d: int) -> Ref:
+            if (r, d) not in narrows:
+                t = g.tensor(r)
+                c = t.shape[d] // n
+                shape = list(t.shape)
+                shape[d] = c
+                src = _Ext(r.node, r.out)
+                nid = b.op("aten.narrow.default", aten.narrow.default, [src, d, k * c, c], {},
+                           [_info(shape, t, alias=src)], key(1, k),
+                           f"{g.nodes[r.node].name}_s{k}", g.nodes[r.node].category, (rid, k, n, c))
+                b.nodes[nid]._pending = True
+                narrows[(r, d)] = Ref(nid, 0)
+            return narrows[(r, d)]
+
+        for v in ops:
+            node = g.nodes[v]
+            ax = dg.axis(v, f.comp)
+            cut = dict(ax.inputs)
+            shapes = []
+            for i, t in enumerate(node.outputs):
+                if t is None:
+                    shapes.append(None)
+                    continue
+                s = list(t.shape)
+                for o, d in ax.outputs:
+                    if o == i:
+                        s[d] //= n
+                shapes.append(tuple(s))
+            a_idx = dg.components[f.comp].axis_of[v]
+            args, kwargs = dg.dims[v].chunk_args(node, a_idx, shapes)
+            pending = [False]
+
+            def sub(r: Ref, idx: int) -> Ref:
+                if r.node in f.ops:
+                    return part[r]
+                if idx in cut:
+                    return sliced(r, cut[idx])
+                pending[0] = True
+                return _Ext(r.node, r.out)
+
+            counter = [0]
+            args = map_refs(tuple(args), sub, counter)
+            kwargs = map_refs(dict(kwargs), sub, counter)
+            outs = []
+            for i, t in enumerate(node.outputs):
+                if t is None:
+                    outs.append(None)
+                    continue
+                ai = _alias_arg(node.op, i)
+                src = args[ai] if ai is not None and ai < len(args) and isinstance(args[ai], Ref) else None
+                outs.append(_info(shapes[i], t, alias=src))
+            nid = b.op(node.target, node.op, args, kwargs, outs, key(1, k),
+                       f"{node.name}_p{k}", node.category, (rid, k, n, 0))
+            b.nodes[nid].multi = node.multi
+            if pending[0] or any(isinstance(t.alias, _Ext) for t in outs if t is not None):
+                b.nodes[nid]._pending = True
+            for i in range(len(node.outputs)):
+                part[Ref(v, i)] = Ref(nid, i)
+        # Merge this part's outputs into the full results.
+        for r, (how, dim) in plan.items():
+            t = g.tensor(r)
+            pr = part[r]
+            nm = g.nodes[r.node].name
+            cat = g.nodes[r.node].category
+            if how == "cat":
+                c = t.shape[dim] // n
+                shape = list(t.shape)
+                shape[dim] = c
+                full = Ref(dest[r], 0)
+                sl = b.op("aten.narrow.default", aten.narrow.default, [full, dim, k * c, c], {},
+                          [_info(shape, t, alias=full)], key(1, k), f"{nm}_w{k}", cat, (rid, k, n, c))
+                w = b.op("aten.copy_.default", aten.copy_.default, [Ref(sl, 0), pr], {},
+                         [_info(shape, t, alias=Ref(sl, 0))], key(1, k), f"{nm}_c{k}", cat,
+                         (rid, k, n, 0))
+            else:
+                a = Ref(dest[r], 0)
+                if how in ("sum", "mean"):
+                    w = b.op("aten.add_.Tensor", aten.add_.Tensor, [a, pr], {},
+                             [_info(t.shape, t, alias=a)], key(1, k), f"{nm}_add{k}", cat,
+                             (rid, k, n, 0))
+                else:
+                    fn = aten.maximum.out if how == "max" else aten.minimum.out
+                    w = b.op(f"aten.{'maximum' if how == 'max' else 'minimum'}.out", fn,
+                             [a, pr], {"out": a}, [_info(t.shape, t, alias=a)], key(1, k),
+                             f"{nm}_{how}{k}", cat, (rid, k, n, 0))
+            writes[r].append(w)
+        # Parts run one after another (the definition of fission): part k+1 starts
+        # after part k's last node, whatever order a scheduler picks.
+        part_nodes = list(range(first_of_part, len(b.nodes)))
+        if prev_part:
+            for v in part_nodes:
+                node = b.nodes[v]
+                inner = [r.node for r in iter_refs((node.args, node.kwargs))
+                         if not isinstance(r, _Ext) and r.node in part_nodes]
+                if not inner:
+                    node.deps = tuple(node.deps) + (prev_part[-1],)
+        prev_part = part_nodes
+    for r, (how, dim) in plan.items():
+        t = g.tensor(r)
+        nm = g.nodes[r.node].name
+        cat = g.nodes[r.node].category
+        base = Ref(dest[r], 0)
+        deps = list(writes[r])
+        if how == "mean":
+            dv = b.op("aten.div_.Scalar", aten.div_.Scalar, [base, n], {},
+                      [_info(t.shape, t, alias=base)], key(2, 0), f"{nm}_mean", cat, deps=deps)
+            deps = [dv]
+        j = b.op("aten.alias.default", aten.alias.default, [base], {},
+                 [_info(t.shape, t, alias=base)], key(2, 0), nm, cat, deps=deps)
+        joined[r] = Ref(j, 0)

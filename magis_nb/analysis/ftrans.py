@@ -1,0 +1,125 @@
+"""F-Trans f = (S, D, n) (paper §4.2): which op sets may be split, and how.
+
+Validity, checked explicitly:
+  (1) G[S] is weakly connected;
+  (2) S is convex: no path leaves S and comes back;
+  (3) no redundant computation: every op of S has exactly one axis in D, and every
+      tensor flowing inside S is split along that axis on both ends.
+Plus what execution needs: every tensor leaving S either carries the axis (parts
+are concatenated) or is a reduction over it with a known combine (sum/max/min/mean),
+and n divides every axis length in S.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import gcd
+
+from ..ir.graph import Graph, Ref, iter_refs
+from .dgraph import DGraph
+
+
+@dataclass(frozen=True)
+class FTrans:
+    ops: frozenset[int]
+    comp: int
+    n: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.n > 1
+
+
+def region_outputs(g: Graph, ops: frozenset[int]) -> list[Ref]:
+    """Tensors made in ``ops`` that are read outside it or returned."""
+    used = set(r for r in g.outputs if r.node in ops)
+    for n in g.nodes:
+        if n.id in ops:
+            continue
+        for r in iter_refs((n.args, n.kwargs)):
+            if r.node in ops:
+                used.add(r)
+    return sorted(used)
+
+
+def max_parts(dg: DGraph, ops, comp: int) -> int:
+    L = 0
+    for v in ops:
+        L = gcd(L, dg.axis(v, comp).size)
+    return L
+
+
+def divisors(L: int) -> list[int]:
+    return [d for d in range(1, L + 1) if L % d == 0]
+
+
+def _weakly_connected(g: Graph, ops: frozenset[int]) -> bool:
+    start = min(ops)
+    seen, stack = {start}, [start]
+    while stack:
+        v = stack.pop()
+        for w in g.preds(v) + g.succs(v):
+            if w in ops and w not in seen:
+                seen.add(w)
+                stack.append(w)
+    return len(seen) == len(ops)
+
+
+def _convex(g: Graph, ops: frozenset[int]) -> bool:
+    frontier = {w for v in ops for w in g.succs(v) if w not in ops}
+    seen = set(frontier)
+    stack = list(frontier)
+    while stack:
+        v = stack.pop()
+        for w in g.succs(v):
+            if w in ops:
+                return False
+            if w not in seen:
+                seen.add(w)
+                stack.append(w)
+    return True
+
+
+def check(dg: DGraph, ops, comp: int, n: int = 2) -> str | None:
+    """None when (ops, comp, n) is a valid F-Trans, else the reason it is not."""
+    g = dg.graph
+    ops = frozenset(ops)
+    if not ops:
+        return "empty region"
+    c = dg.components[comp]
+    for v in ops:
+        if g.nodes[v].kind != "op":
+            return f"{g.nodes[v].name} is not an op"
+        if v not in c.axis_of:
+            return f"{g.nodes[v].name} has no single axis in dimension {comp}"
+    if n > 1 and max_parts(dg, ops, comp) % n:
+        return f"{n} does not divide the axis length {max_parts(dg, ops, comp)}"
+    if not _weakly_connected(g, ops):
+        return "not weakly connected"
+    if not _convex(g, ops):
+        return "not convex: a path leaves the region and comes back"
+    for v in ops:
+        ax = dg.axis(v, comp)
+        sliced = {k: d for k, d in ax.inputs}
+        for k, r in enumerate(iter_refs((g.nodes[v].args, g.nodes[v].kwargs))):
+            if r.node not in ops:
+                continue
+            pax = dg.axis(r.node, comp)
+            dims = [d for (o, d) in pax.outputs if o == r.out]
+            if not dims or sliced.get(k) != dims[0]:
+                return (f"{g.nodes[v].name} would need all of {g.nodes[r.node].name}'s "
+                        "output (redundant computation)")
+    for r in region_outputs(g, ops):
+        ax = dg.axis(r.node, comp)
+        if not any(o == r.out for o, _ in ax.outputs) and ax.combine is None:
+            return f"output of {g.nodes[r.node].name} cannot be merged across parts"
+    return None
+
+
+def plan_outputs(dg: DGraph, f: FTrans) -> dict[Ref, tuple[str, int]]:
+    """How each region output is assembled: ("cat", dim) or (combine, -1)."""
+    out = {}
+    for r in region_outputs(dg.graph, f.ops):
+        ax = dg.axis(r.node, f.comp)
+        dims = [d for o, d in ax.outputs if o == r.out]
+        out[r] = ("cat", dims[0]) if dims else (ax.combine, -1)
+    return out

@@ -1,0 +1,491 @@
+"""Per-op dimension rules: every listed axis is exactly true.
+
+The key test runs each zoo model's captured graph op by op with real tensors and,
+for every op with a rule and every axis, computes the op in parts as the rule
+promises (inputs narrowed, ``chunk_args``) and compares with the full op.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from magis_nb import zoo
+from magis_nb.analysis.dims import Axis, op_dims
+from magis_nb.ir.build import op_name
+from magis_nb.ir.graph import Node, Ref, TensorInfo, iter_refs
+from magis_nb.program import trace
+
+aten = torch.ops.aten
+RTOL, ATOL = 1e-4, 1e-5
+# outputs whose values are undefined: only shapes are compared
+UNDEFINED = {"aten.empty_like.default", "aten.empty.memory_format", "aten.new_empty.default"}
+# zoo ops that are barriers on purpose (RNG, mean-reduced loss, no output)
+BARRIERS = {"aten.native_dropout.default", "aten.bernoulli_.float", "aten.nll_loss_forward.default",
+            "aten.nll_loss2d_forward.default", "aten._assert_tensor_metadata.default"}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # see tests/test_zoo.py: one thread is immune to OpenMP stalls on a busy 2-core box
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# -- the soundness check --------------------------------------------------------
+
+def _fill(obj, tensors, it):
+    if isinstance(obj, Ref):
+        return tensors[next(it)]
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_fill(o, tensors, it) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _fill(v, tensors, it) for k, v in obj.items()}
+    return obj
+
+
+def _call(node: Node, tensors, args=None, kwargs=None):
+    args = node.args if args is None else args
+    kwargs = node.kwargs if kwargs is None else kwargs
+    a, kw = _fill((tuple(args), dict(kwargs)), tensors, iter(range(len(tensors))))
+    out = node.op(*a, **kw)
+    return list(out) if node.multi else [out]
+
+
+def _same(part, full, exact, what):
+    assert part.shape == full.shape, f"{what}: shape {tuple(part.shape)} != {tuple(full.shape)}"
+    if exact:
+        return
+    if full.dtype.is_floating_point:
+        torch.testing.assert_close(part, full, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+    else:
+        assert torch.equal(part, full), what
+
+
+def _merge(parts, how, n):
+    acc = parts[0]
+    for p in parts[1:]:
+        if how in ("sum", "mean"):
+            acc = acc + p
+        elif how == "max":
+            acc = torch.maximum(acc, p)
+        else:
+            acc = torch.minimum(acc, p)
+    return acc / n if how == "mean" else acc
+
+
+def split_counts(size: int) -> list[int]:
+    ns = {n for n in (2, 3) if size % n == 0}
+    if size <= 4:
+        ns.add(size)
+    return sorted(ns)
+
+
+def check_axis(node: Node, tensors, full, od, a: int, n: int) -> None:
+    """Run ``node`` in n parts along axis ``a`` of ``od`` and compare with ``full``."""
+    axis: Axis = od.axes[a]
+    assert axis.size % n == 0
+    dims_in = dict(axis.inputs)
+    dims_out = dict(axis.outputs)
+    part_shapes = []
+    for i, t in enumerate(node.outputs):
+        if t is None:
+            part_shapes.append(None)
+            continue
+        s = list(t.shape)
+        if i in dims_out:
+            s[dims_out[i]] //= n
+        part_shapes.append(tuple(s))
+    args, kwargs = od.chunk_args(node, a, part_shapes)
+    outs = []
+    for k in range(n):
+        ins = []
+        for j, x in enumerate(tensors):
+            if j in dims_in:
+                d = dims_in[j]
+                L = x.shape[d] // n
+                x = x.narrow(d, k * L, L)
+            ins.append(x)
+        outs.append(_call(node, ins, args, kwargs))
+    exact = node.target in UNDEFINED
+    for i, f in enumerate(full):
+        if node.outputs[i] is None or not isinstance(f, torch.Tensor):
+            continue
+        what = f"{node.target} axis {axis} n={n} output {i}"
+        if i in dims_out:
+            d = dims_out[i]
+            L = f.shape[d] // n
+            for k in range(n):
+                _same(outs[k][i], f.narrow(d, k * L, L), exact, f"{what} part {k}")
+        elif axis.combine is not None:
+            merged = _merge([o[i] for o in outs], axis.combine, n)
+            if merged.dtype != f.dtype and f.dtype.is_floating_point:
+                merged = merged.to(f.dtype)
+            _same(merged, f, exact, what)
+
+
+def check_node(node: Node, tensors) -> int:
+    """Check every axis of ``node``'s rule; returns the number of splits run."""
+    ins = [tuple(t.shape) for t in tensors]
+    outs = [t.shape if t is not None else None for t in node.outputs]
+    od = op_dims(node, ins, outs)
+    if od is None:
+        return 0
+    full = _call(node, tensors)
+    count = 0
+    for a, axis in enumerate(od.axes):
+        for n in split_counts(axis.size):
+            check_axis(node, tensors, full, od, a, n)
+            count += 1
+    return count
+
+
+# -- real graphs ----------------------------------------------------------------
+
+def _signature(node, tensors):
+    rest = repr(_fill((node.args, node.kwargs), [None] * len(tensors), iter(range(len(tensors)))))
+    return node.target, tuple(tuple(t.shape) for t in tensors), rest
+
+
+def check_program(case, mode: str) -> tuple[set, set]:
+    """Run the captured graph op by op; check each distinct op. Returns the op
+    targets with and without a rule."""
+    inputs = case.inputs if mode == "train" or case.loss_fn is None else case.inputs[:-1]
+    prog = trace(case.model, inputs, loss_fn=case.loss_fn if mode == "train" else None, mode=mode)
+    g = prog.graph
+    params = dict(case.model.named_parameters(remove_duplicate=False))
+    buffers = dict(case.model.named_buffers())
+    vals = {}
+    for n in g.inputs:
+        kind, key = n.role
+        vals[Ref(n.id, 0)] = params[key] if kind == "param" else \
+            buffers[key] if kind == "buffer" else inputs[key]
+    seen, ruled, unruled, per_target = set(), set(), set(), {}
+    with torch.no_grad():
+        for nid in g.program_order():
+            n = g.nodes[nid]
+            tensors = [vals[r].detach() for r in iter_refs((n.args, n.kwargs))]
+            sig = _signature(n, tensors)
+            if sig not in seen:
+                seen.add(sig)
+                ins = [tuple(t.shape) for t in tensors]
+                outs = [t.shape if t is not None else None for t in n.outputs]
+                if op_dims(n, ins, outs) is None:
+                    unruled.add(n.target)
+                else:
+                    ruled.add(n.target)
+                    per_target[n.target] = per_target.get(n.target, 0) + 1
+                    if per_target[n.target] <= MAX_SIGNATURES:
+                        check_node(n, tensors)
+            out = _call(n, tensors)
+            for i, t in enumerate(out):
+                if i < len(n.outputs) and n.outputs[i] is not None:
+                    vals[Ref(nid, i)] = t
+    return ruled, unruled
+
+
+MAX_SIGNATURES = 6      # distinct (shapes, args) checked per op target and model
+
+CASES = [(name, "train") for name in zoo.names("tiny")] + \
+    [("resnet", "infer"), ("bert", "infer"), ("unet", "infer")]
+# The default run covers every op kind of the zoo's tiny graphs (68 targets); the
+# others (marked slow) add only more instances of the same ops, at 3-8 s each.
+FAST = {("vit", "train"), ("gpt", "train"), ("btlm", "train"), ("densenet", "train"),
+        ("unet", "train"), ("resnet", "infer"), ("bert", "infer")}
+
+
+@pytest.mark.parametrize("name,mode", [
+    pytest.param(*c, marks=() if c in FAST else pytest.mark.slow) for c in CASES])
+def test_rules_are_sound_on_zoo_graphs(name, mode):
+    ruled, unruled = check_program(zoo.build(name, "tiny"), mode)
+    assert unruled <= BARRIERS, f"zoo ops without a rule: {sorted(unruled - BARRIERS)}"
+    assert ruled
+
+
+# -- hand-written nodes ---------------------------------------------------------
+
+def make(op, *args, **kwargs):
+    """A Node calling ``op`` on real tensors (replaced by Refs), and those tensors."""
+    tensors = []
+
+    def conv(a):
+        if isinstance(a, torch.Tensor):
+            tensors.append(a)
+            return Ref(len(tensors) - 1)
+        if isinstance(a, (list, tuple)):
+            return type(a)(conv(x) for x in a)
+        return a
+    cargs, ckw = conv(tuple(args)), {k: conv(v) for k, v in kwargs.items()}
+    out = op(*args, **kwargs)
+    multi = isinstance(out, (tuple, list))
+    outs = [TensorInfo(tuple(t.shape), t.dtype, 0) if isinstance(t, torch.Tensor) else None
+            for t in (out if multi else [out])]
+    node = Node(id=100, name="n", kind="op", target=op_name(op), op=op, args=cargs,
+                kwargs=ckw, outputs=outs, multi=multi)
+    return node, tensors
+
+
+def dims_of(node, tensors):
+    return op_dims(node, [tuple(t.shape) for t in tensors],
+                   [t.shape if t is not None else None for t in node.outputs])
+
+
+def summary(od):
+    return [(a.name, a.size, a.inputs, a.outputs, a.combine) for a in od.axes]
+
+
+def r(*shape):
+    return torch.randn(*shape, dtype=torch.float64)
+
+
+def test_mm():
+    node, ts = make(aten.mm.default, r(6, 4), r(4, 8))
+    assert summary(dims_of(node, ts)) == [
+        ("M", 6, ((0, 0),), ((0, 0),), "sum"),
+        ("N", 8, ((1, 1),), ((0, 1),), "sum"),
+        ("K", 4, ((0, 1), (1, 0)), (), "sum")]
+    assert check_node(node, ts) == 2 + 1 + 2     # 6: n=2,3; 8: 2; 4: 2,4
+
+
+def test_addmm_has_no_k_axis():
+    node, ts = make(aten.addmm.default, r(8), r(6, 4), r(4, 8))
+    assert summary(dims_of(node, ts)) == [
+        ("M", 6, ((1, 0),), ((0, 0),), "sum"),
+        ("N", 8, ((2, 1), (0, 0)), ((0, 1),), "sum")]
+    check_node(node, ts)
+    node, ts = make(aten.addmm.default, r(6, 1), r(6, 4), r(4, 8), beta=0.5)
+    assert [a.inputs for a in dims_of(node, ts).axes] == [((1, 0), (0, 0)), ((2, 1),)]
+    check_node(node, ts)
+
+
+def test_bmm():
+    node, ts = make(aten.bmm.default, r(4, 6, 3), r(4, 3, 2))
+    assert summary(dims_of(node, ts)) == [
+        ("batch", 4, ((0, 0), (1, 0)), ((0, 0),), "sum"),
+        ("M", 6, ((0, 1),), ((0, 1),), "sum"),
+        ("N", 2, ((1, 2),), ((0, 2),), "sum"),
+        ("K", 3, ((0, 2), (1, 1)), (), "sum")]
+    check_node(node, ts)
+
+
+def test_view_merge_and_split():
+    x = r(4, 6, 5)
+    node, ts = make(aten.view.default, x, [24, 5])
+    od = dims_of(node, ts)
+    assert [(a.size, a.inputs, a.outputs) for a in od.axes] == [
+        (4, ((0, 0),), ((0, 0),)), (5, ((0, 2),), ((0, 1),))]
+    assert od.chunk_args(node, 0, [(12, 5)]) == ((Ref(0), [12, 5]), {})
+    check_node(node, ts)
+    # [6, 4] -> [4, 6]: one group, axis of size gcd(6, 4) = 2
+    node, ts = make(aten._unsafe_view.default, r(6, 4), [4, 6])
+    assert [(a.size, a.inputs, a.outputs) for a in dims_of(node, ts).axes] == [
+        (2, ((0, 0),), ((0, 0),))]
+    check_node(node, ts)
+    # a split dim with size-1 dims around it
+    node, ts = make(aten.view.default, r(1, 12, 1), [3, 4])
+    assert [(a.size, a.inputs, a.outputs) for a in dims_of(node, ts).axes] == [
+        (3, ((0, 1),), ((0, 0),))]
+    check_node(node, ts)
+
+
+def test_convolution():
+    x, w, b = r(4, 6, 5, 5), r(8, 6, 3, 3), r(8)
+    node, ts = make(aten.convolution.default, x, w, b, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    assert summary(dims_of(node, ts)) == [
+        ("batch", 4, ((0, 0),), ((0, 0),), "sum"),
+        ("out_channel", 8, ((1, 0), (2, 0)), ((0, 1),), "sum")]
+    check_node(node, ts)
+    node, ts = make(aten.convolution.default, x, w, None, [2, 2], [1, 1], [1, 1], False, [0, 0], 1)
+    assert [a.name for a in dims_of(node, ts).axes] == ["batch", "out_channel", "in_channel"]
+    check_node(node, ts)
+
+
+def test_convolution_grouped_and_transposed():
+    x = r(2, 6, 7, 7)
+    node, ts = make(aten.convolution.default, x, r(9, 2, 3, 3), r(9), [1, 1], [0, 0], [1, 1],
+                    False, [0, 0], 3)
+    od = dims_of(node, ts)
+    assert summary(od)[1] == ("group", 3, ((0, 1), (1, 0), (2, 0)), ((0, 1),), "sum")
+    assert od.chunk_args(node, 1, [(2, 3, 5, 5)])[0][-1] == 1
+    check_node(node, ts)
+    node, ts = make(aten.convolution.default, x, r(6, 4, 2, 2), None, [2, 2], [0, 0], [1, 1],
+                    True, [1, 1], 1)
+    assert [(a.name, a.inputs, a.outputs) for a in dims_of(node, ts).axes] == [
+        ("batch", ((0, 0),), ((0, 0),)), ("out_channel", ((1, 1),), ((0, 1),)),
+        ("in_channel", ((0, 1), (1, 0)), ())]
+    check_node(node, ts)
+    node, ts = make(aten.convolution.default, x, r(6, 2, 3, 3), r(4), [1, 1], [1, 1], [1, 1],
+                    True, [0, 0], 2)
+    check_node(node, ts)
+
+
+@pytest.mark.parametrize("transposed,groups,bias", [(False, 1, True), (False, 1, False),
+                                                     (True, 1, True), (False, 2, True),
+                                                     (True, 2, False)])
+def test_convolution_backward(transposed, groups, bias):
+    x = r(4, 4, 6, 6)
+    w = r(4, 6 // groups, 3, 3) if transposed else r(6, 4 // groups, 3, 3)
+    y = aten.convolution.default(x, w, None, [1, 1], [1, 1], [1, 1], transposed, [0, 0], groups)
+    node, ts = make(aten.convolution_backward.default, torch.randn_like(y), x, w,
+                    [6] if bias else None, [1, 1], [1, 1], [1, 1], transposed, [0, 0], groups,
+                    [True, True, bias])
+    od = dims_of(node, ts)
+    names = [a.name for a in od.axes]
+    assert names == ["batch"] + (["group"] if groups > 1 else
+                                 ["out_channel"] + ([] if bias else ["in_channel"]))
+    assert od.axes[0].combine == "sum" and od.axes[0].outputs == ((0, 0),)
+    assert check_node(node, ts) > 0
+
+
+def test_layer_norm_and_backward():
+    x, w, b = r(4, 6, 8), r(8), r(8)
+    node, ts = make(aten.native_layer_norm.default, x, [8], w, b, 1e-5)
+    assert summary(dims_of(node, ts)) == [
+        ("row", 4, ((0, 0),), ((0, 0), (1, 0), (2, 0)), "sum"),
+        ("row", 6, ((0, 1),), ((0, 1), (1, 1), (2, 1)), "sum")]
+    check_node(node, ts)
+    _, mean, rstd = aten.native_layer_norm.default(x, [8], w, b, 1e-5)
+    node, ts = make(aten.native_layer_norm_backward.default, r(4, 6, 8), x, [8], mean, rstd,
+                    w, b, [True, True, True])
+    # only the outermost: the CPU kernel ignores the strides of a narrowed mean/rstd
+    assert summary(dims_of(node, ts)) == [
+        ("row", 4, ((0, 0), (1, 0), (2, 0), (3, 0)), ((0, 0),), "sum")]
+    assert check_node(node, ts) == 2
+
+
+def test_batch_norm_has_no_batch_axis():
+    x, w, b, rm, rv = r(4, 6, 3, 3), r(6), r(6), r(6), r(6).abs()
+    node, ts = make(aten._native_batch_norm_legit_functional.default, x, w, b, rm, rv,
+                    True, 0.1, 1e-5)
+    assert summary(dims_of(node, ts)) == [
+        ("channel", 6, ((0, 1), (1, 0), (2, 0), (3, 0), (4, 0)),
+         ((0, 1), (1, 0), (2, 0), (3, 0), (4, 0)), "sum")]
+    check_node(node, ts)
+    _, sm, si, _, _ = aten._native_batch_norm_legit_functional.default(x, w, b, rm, rv, True,
+                                                                         0.1, 1e-5)
+    node, ts = make(aten.native_batch_norm_backward.default, r(4, 6, 3, 3), x, w, rm, rv, sm, si,
+                    True, 1e-5, [True, True, True])
+    assert [a.name for a in dims_of(node, ts).axes] == ["channel"]
+    check_node(node, ts)
+    # eval: per-channel constants, so batch and spatial dims are axes too
+    node, ts = make(aten._native_batch_norm_legit_no_training.default, x, w, b, rm, rv, 0.1, 1e-5)
+    assert [a.name for a in dims_of(node, ts).axes] == ["channel", "batch", "spatial", "spatial"]
+    check_node(node, ts)
+    node, ts = make(aten.native_batch_norm_backward.default, r(4, 6, 3, 3), x, w, rm, rv, None,
+                    None, False, 1e-5, [True, True, True])
+    assert [a.name for a in dims_of(node, ts).axes] == ["channel", "batch", "spatial", "spatial"]
+    check_node(node, ts)
+
+
+def test_softmax():
+    node, ts = make(aten._softmax.default, r(4, 6, 5), 1, False)
+    assert [(a.inputs, a.outputs) for a in dims_of(node, ts).axes] == [
+        (((0, 0),), ((0, 0),)), (((0, 2),), ((0, 2),))]
+    check_node(node, ts)
+    y = aten._softmax.default(ts[0], -1, False)
+    node, ts = make(aten._softmax_backward_data.default, r(4, 6, 5), y, -1, torch.float64)
+    assert [a.inputs for a in dims_of(node, ts).axes] == [((0, 0), (1, 0)), ((0, 1), (1, 1))]
+    check_node(node, ts)
+
+
+def test_reductions_combine():
+    x = r(4, 6, 2)
+    for op, args, comb in [(aten.sum.dim_IntList, ([1], True), "sum"),
+                           (aten.mean.dim, ([0, 1],), "mean"),
+                           (aten.amax.default, ([1],), "max"),
+                           (aten.amin.default, ([0], True), "min"),
+                           (aten.sum.default, (), "sum"), (aten.mean.default, (), "mean")]:
+        node, ts = make(op, x, *args)
+        od = dims_of(node, ts)
+        assert {a.combine for a in od.axes if not a.outputs} == {comb}
+        check_node(node, ts)
+    node, ts = make(aten.sum.dim_IntList, x, [1], True)
+    assert summary(dims_of(node, ts)) == [("", 4, ((0, 0),), ((0, 0),), "sum"),
+                                          ("reduce", 6, ((0, 1),), (), "sum"),
+                                          ("", 2, ((0, 2),), ((0, 2),), "sum")]
+    node, ts = make(aten.var.correction, x, [1], correction=1)
+    assert [a.inputs for a in dims_of(node, ts).axes] == [((0, 0),), ((0, 2),)]
+    check_node(node, ts)
+
+
+def test_barriers_and_elementwise_broadcast():
+    node, ts = make(aten.native_dropout.default, r(4, 4), 0.5, True)
+    node.rng = True
+    assert dims_of(node, ts) is None
+    node, ts = make(aten.nll_loss_forward.default, r(6, 3), torch.tensor([0, 1, 2, 0, 1, 2]),
+                    None, 1, -100)
+    assert dims_of(node, ts) is None                     # mean reduction
+    node, ts = make(aten.cumsum.default, r(4), 0)
+    node.target = "aten.no_such_op.default"
+    assert dims_of(node, ts) is None
+    node, ts = make(aten.masked_fill.Scalar, r(2, 4, 6), r(4, 1) > 0, 0.0)
+    assert [(a.size, a.inputs) for a in dims_of(node, ts).axes] == [
+        (2, ((0, 0),)), (4, ((0, 1), (1, 0))), (6, ((0, 2),))]
+    check_node(node, ts)
+
+
+def test_shape_ops():
+    x = r(4, 6, 3)
+    cases = [
+        (aten.expand.default, (r(4, 1, 3), [2, 4, 6, 3])),
+        (aten.permute.default, (x, [2, 0, 1])), (aten.transpose.int, (x, 0, 2)),
+        (aten.t.default, (r(4, 6),)), (aten.unsqueeze.default, (x, 1)),
+        (aten.squeeze.dims, (r(4, 1, 6), [1])), (aten.select.int, (x, 1, 2)),
+        (aten.slice.Tensor, (x, 1, 1, 5)), (aten.cat.default, ([x, r(4, 2, 3)], 1)),
+        (aten.select_backward.default, (r(4, 3), [4, 6, 3], 1, 2)),
+        (aten.slice_backward.default, (r(4, 4, 3), [4, 6, 3], 1, 1, 5, 1)),
+        (aten.split.Tensor, (x, 2, 1)), (aten.split_with_sizes.default, (x, [2, 4], 1)),
+        (aten.constant_pad_nd.default, (x, [1, 1])), (aten.unbind.int, (x, 1)),
+        (aten.flatten.using_ints, (x, 0, 1)), (aten.unflatten.int, (r(24, 3), 0, [4, 6])),
+        (aten.ones_like.default, (x,)), (aten.new_zeros.default, (x, [4, 6])),
+        (aten.full.default, ([4, 6], 2.0)), (aten.where.self, (x > 0, x, r(6, 1))),
+        (aten.embedding.default, (r(10, 4), torch.randint(0, 10, (4, 6)))),
+        (aten.embedding_dense_backward.default, (r(4, 6, 4), torch.randint(0, 10, (4, 6)), 10,
+                                                 -1, False)),
+    ]
+    for op, args in cases:
+        node, ts = make(op, *args)
+        od = dims_of(node, ts)
+        assert od is not None and od.axes, op
+        assert check_node(node, ts) > 0, op
+
+
+def test_losses_pooling_norms_attention():
+    logp = torch.log_softmax(r(6, 3), 1)
+    tgt = torch.tensor([0, 1, 2, -100, 1, 2])
+    cases = [
+        (aten.nll_loss_forward.default, (logp, tgt, None, 0, -100)),
+        (aten.nll_loss_forward.default, (logp, tgt, r(3).abs(), 2, -100)),
+        (aten.nll_loss_backward.default, (torch.tensor(1.0, dtype=torch.float64), logp, tgt, None,
+                                          1, -100, torch.tensor(5.0, dtype=torch.float64))),
+        (aten.nll_loss2d_forward.default, (r(2, 3, 4, 4), torch.randint(0, 3, (2, 4, 4)), None,
+                                           2, -100)),
+        (aten.mse_loss.default, (r(4, 6), r(4, 6), 1)),
+        (aten.max_pool2d_with_indices.default, (r(2, 4, 6, 6), [3, 3], [2, 2], [1, 1])),
+        (aten.avg_pool2d.default, (r(2, 4, 6, 6), [2, 2], [2, 2])),
+        (aten.upsample_nearest2d_backward.default, (r(2, 4, 6, 6), [6, 6], [2, 4, 3, 3])),
+        (aten.native_group_norm.default, (r(4, 6, 3, 3), r(6), r(6), 4, 6, 9, 3, 1e-5)),
+    ]
+    for op, args in cases:
+        node, ts = make(op, *args)
+        assert check_node(node, ts) > 0, op
+    x = r(4, 6, 3, 3)
+    _, mean, rstd = aten.native_group_norm.default(x, r(6), r(6), 4, 6, 9, 3, 1e-5)
+    node, ts = make(aten.native_group_norm_backward.default, r(4, 6, 3, 3), x, mean, rstd, r(6),
+                    4, 6, 9, 3, [True, True, True])
+    assert [a.name for a in dims_of(node, ts).axes] == ["batch"]
+    check_node(node, ts)
+    q, k, v = (torch.randn(2, 3, s, 4) for s in (6, 4, 4))
+    node, ts = make(aten._scaled_dot_product_flash_attention_for_cpu.default, q, k, v)
+    assert [a.name for a in dims_of(node, ts).axes] == ["batch", "heads", "query"]
+    check_node(node, ts)
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v)
+    node, ts = make(aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+                    torch.randn_like(out), q, k, v, out, lse, 0.0, False)
+    od = dims_of(node, ts)
+    assert [(a.name, a.outputs, a.combine) for a in od.axes][2] == ("query", ((0, 2),), "sum")
+    check_node(node, ts)
+    node, ts = make(aten._scaled_dot_product_flash_attention_for_cpu.default, q, k, v,
+                    is_causal=True)
+    assert [a.name for a in dims_of(node, ts).axes] == ["batch", "heads"]
