@@ -127,7 +127,8 @@ def build_graph(cap: Captured) -> Graph:
                 src = args[ai] if ai < len(args) else None
                 alias = src if isinstance(src, Ref) else None
             outs.append(TensorInfo(tuple(v.shape), v.dtype,
-                                   0 if alias is not None else _storage_bytes(v), alias))
+                                   0 if alias is not None else _storage_bytes(v), alias,
+                                   tuple(v.stride())))
         node = Node(id=nid, name=_ident(fn.name, taken), kind="op", target=op_name(fn.target),
                     op=fn.target, args=args, kwargs=kwargs, outputs=outs,
                     rng=_is_rng(fn.target), multi=multi)

@@ -33,6 +33,7 @@ class TensorInfo:
     dtype: Any                      # torch.dtype (kept opaque here)
     nbytes: int                     # bytes of the storage it allocates (0 for a view)
     alias: Ref | None = None        # the tensor whose storage this one shares
+    stride: tuple[int, ...] | None = None  # as captured (None when made by a rewrite)
 
 
 @dataclass

@@ -77,9 +77,20 @@ def _dropout_rule(rw: _Rewriter, n: Node) -> bool:
     x = rw.fix(n.args[0])
     p = float(n.args[1])
     out_t, mask_t = n.outputs
-    empty = rw.add(n.name + "_mask", "aten.empty_like.default", aten.empty_like.default, (x,),
-                   {"dtype": torch.bool}, [TensorInfo(mask_t.shape, mask_t.dtype, mask_t.nbytes)],
-                   n.category)
+    # The mask is laid out like x (empty_like's preserve_format) but made from x's
+    # shape and strides only, so it does not depend on x: drawing it is a side
+    # entry that a fission region reads whole, not a path out of the region and back.
+    xt = rw.g.tensor(n.args[0])
+    if xt.stride is not None and _dense(xt.shape, xt.stride):
+        empty = rw.add(n.name + "_mask", "aten.empty_strided.default", aten.empty_strided.default,
+                       (list(xt.shape), list(xt.stride)),
+                       {"dtype": torch.bool, "layout": torch.strided,
+                        "device": torch.device("cpu"), "pin_memory": False},
+                       [TensorInfo(mask_t.shape, mask_t.dtype, mask_t.nbytes)], n.category)
+    else:
+        empty = rw.add(n.name + "_mask", "aten.empty_like.default", aten.empty_like.default, (x,),
+                       {"dtype": torch.bool}, [TensorInfo(mask_t.shape, mask_t.dtype, mask_t.nbytes)],
+                       n.category)
     draw = rw.add(n.name + "_draw", "aten.bernoulli_.float", aten.bernoulli_.float,
                   (Ref(empty, 0), 1.0 - p), {},
                   [TensorInfo(mask_t.shape, mask_t.dtype, 0, Ref(empty, 0))], n.category, rng=True)
@@ -135,6 +146,16 @@ def _mean_loss_rule(rw: _Rewriter, n: Node) -> bool:
 
 def split_mean_loss(g: Graph) -> Graph:
     return _Rewriter(g).run(_mean_loss_rule)
+
+
+def _dense(shape, stride) -> bool:
+    """Non-overlapping and dense: empty_like(preserve_format) keeps these strides."""
+    expect = 1
+    for size, st in sorted(zip(shape, stride), key=lambda p: p[1]):
+        if size != 1 and st != expect:
+            return False
+        expect *= size
+    return True
 
 
 def _train(n: Node) -> bool:
