@@ -118,7 +118,7 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump({"order_peaks": rows, "incremental": inc}, f, indent=1)
         print(f"wrote {args.json}")
-    return {"order_peaks": rows, "incremental": inc}
+    return 0
 
 
 if __name__ == "__main__":
