@@ -121,3 +121,13 @@ def test_unused_param_flags_restored_after_capture():
     capture(m, (torch.randn(16, 8), torch.randint(0, 4, (16,))), loss_fn=F.cross_entropy)
     assert [p.requires_grad for p in m.parameters()] == before
     copy.deepcopy(m)  # still a normal module
+
+
+class _NoParams(nn.Module):
+    def forward(self, x):
+        return x.relu().sum()
+
+
+def test_error_loss_without_trainable_parameters():
+    with pytest.raises(CaptureError, match="trainable parameter"):
+        capture(_NoParams(), (torch.randn(3, 3),))

@@ -119,6 +119,9 @@ def _explain(exc: BaseException) -> str:
         return ("forward() has Python control flow that depends on tensor values "
                 "(an `if`/`while` on a tensor, .item(), .tolist()); make it "
                 f"shape-only or use torch.where ({name}: {msg})")
+    if "does not require gradients" in text:
+        return ("the loss does not depend on any trainable parameter: nothing to train "
+                "(use mode='infer' for a forward pass)")
     if isinstance(exc, (RuntimeError, IndexError)) and (
             "shape" in text or "size" in text or "dim" in text or "mat" in text
             or "expected" in text.lower() or "out of range" in text):

@@ -1,0 +1,204 @@
+"""Fission: exact memory, random graphs split at random stay allclose, barriers hold,
+and the F-Tree mutation rules."""
+import random
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from magis_nb.analysis import DGraph, apply_fission, build_ftree, check, max_parts, mutations
+from magis_nb.analysis.ftrans import FTrans, divisors
+from magis_nb.analysis.ftree import Candidate
+from magis_nb.program import trace
+from magis_nb.runtime import measure_cpu
+from magis_nb.verify import Reference
+
+MiB = 2**20
+
+
+class Chain(nn.Module):
+    def forward(self, x):          # x: [4, 262144] float32 = 4 MiB
+        a = x * 2
+        b = a.relu()
+        return b + 1
+
+
+def test_fission_memory_is_exact():
+    """Unsplit: x, a, b live at the relu (12 MiB), then x, b, out (12 MiB).
+    Split in 4 along the batch: x (4) + the full output buffer (4) + two part-sized
+    tensors at a time (a and b, then b and the part's out): 10 MiB."""
+    x = torch.randn(4, MiB // 4)
+    prog = trace(Chain(), (x,), mode="infer")
+    assert prog.simulate().peak == 12 * MiB
+    dg = DGraph(prog.graph)
+    ops = frozenset(n.id for n in prog.graph.ops)
+    batch = next(c for c in dg.components if ops <= set(c.axis_of) and c.size == 4)
+    assert check(dg, ops, batch.id, 4) is None
+    split = prog.with_graph(apply_fission(dg, [FTrans(ops, batch.id, 4)]))
+    assert split.simulate().peak == 10 * MiB
+    mod = split.module()
+    m = measure_cpu(lambda: mod(x), [x])
+    assert m.peak == 10 * MiB
+    torch.testing.assert_close(m.result, Chain()(x))
+    assert "for _k in range(4):" in mod.code
+
+
+# -- random programs of supported ops, split at random --------------------------------
+OPS = ["linear", "relu", "gelu", "add", "mul", "softmax", "layernorm", "tanh", "sumbatch"]
+
+
+class RandomNet(nn.Module):
+    def __init__(self, seed: int, depth: int, width: int = 16):
+        super().__init__()
+        rng = random.Random(seed)
+        self.plan = [("linear", 0.0)] + [(rng.choice(OPS), rng.random()) for _ in range(depth)]
+        self.lins = nn.ModuleList(nn.Linear(width, width) for _ in self.plan)
+        self.ln = nn.LayerNorm(width)
+
+    def forward(self, x):
+        vals = [x]
+        for i, (op, r) in enumerate(self.plan):
+            h = vals[int(r * len(vals))]           # any earlier value: a random DAG
+            if op == "linear":
+                h = self.lins[i](h)
+            elif op == "relu":
+                h = torch.relu(h)
+            elif op == "gelu":
+                h = nn.functional.gelu(h)
+            elif op == "add":
+                h = h + vals[-1]
+            elif op == "mul":
+                h = h * vals[-1]
+            elif op == "softmax":
+                h = torch.softmax(h, -1)
+            elif op == "layernorm":
+                h = self.ln(h)
+            elif op == "tanh":
+                h = torch.tanh(h)
+            else:                                  # a reduction over the batch, broadcast back
+                h = h + h.sum(0, keepdim=True)
+            vals.append(h)
+        return sum(v.pow(2).mean() for v in vals[1:])
+
+
+def _random_region(dg, rng: random.Random):
+    """Grow a region from a random op inside its component; keep it if valid."""
+    comps = [c for c in dg.components if len(c.axis_of) > 1]
+    comp = rng.choice(comps)
+    ops = comp.ops
+    region = {rng.choice(ops)}
+    target = rng.randint(1, len(ops))
+    g = dg.graph
+    for _ in range(4 * target):
+        if len(region) >= target:
+            break
+        v = rng.choice(sorted(region))
+        nbrs = [w for w in g.preds(v) + g.succs(v) if w in comp.axis_of and w not in region]
+        if nbrs:
+            trial = region | {rng.choice(nbrs)}
+            if check(dg, trial, comp.id, 1) is None:
+                region = trial
+    return frozenset(region), comp.id
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 10_000), depth=st.integers(2, 7), pick=st.integers(0, 10_000))
+def test_random_graph_random_split_is_allclose(seed, depth, pick):
+    torch.manual_seed(seed)
+    model = RandomNet(seed, depth)
+    x = torch.randn(12, 16)
+    prog = trace(model, (x,))
+    dg = DGraph(prog.graph)
+    rng = random.Random(pick)
+    ops, comp = _random_region(dg, rng)
+    assert check(dg, ops, comp, 1) is None
+    n = rng.choice([d for d in divisors(max_parts(dg, ops, comp))])
+    split = prog.with_graph(apply_fission(dg, [FTrans(ops, comp, n)]))
+    chk = Reference(model, (x,), None, "train").check(split.module())
+    assert chk.comparison.allclose, chk.comparison.mismatches
+    assert chk.measured_peak == split.simulate().peak
+
+
+class WithBarrier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x).relu()
+        h = torch.sort(h, dim=0).values          # no rule: a barrier
+        return self.b(h).pow(2).mean()
+
+
+def test_an_op_without_rule_is_never_inside_a_region():
+    prog = trace(WithBarrier(), (torch.randn(16, 8),))
+    dg = DGraph(prog.graph)
+    sort = [n.id for n in prog.graph.ops if n.target == "aten.sort.default"]
+    assert sort and all(dg.dims[v] is None for v in sort)
+    assert all(v not in c.axis_of for c in dg.components for v in sort)
+    cands = build_ftree(dg, prog.hotspots())
+    assert cands, "the linears around the barrier are still candidates"
+    for c in cands:
+        assert not set(sort) & c.ops
+        # nor does any region reach from one side of the barrier to the other
+        assert check(dg, c.ops | set(sort), c.comp, 1) is not None
+
+
+# -- F-Tree mutation rules (§5.1) on a hand-made tree -------------------------------
+def _tree():
+    #        0 (ops 1..6, n<=12)
+    #      /   \
+    #     1     2
+    #     |
+    #     3
+    mk = lambda i, ops, parent: Candidate(i, frozenset(ops), 0, 0, 1, 0.0, 0, 12, parent)  # noqa: E731
+    c = [mk(0, range(1, 7), None), mk(1, {1, 2, 3}, 0), mk(2, {5, 6}, 0), mk(3, {2}, 1)]
+    c[0].children, c[1].children = [1, 2], [3]
+    return c
+
+
+def test_enable_starts_at_leaves():
+    got = {(k, tuple(sorted(p.items()))) for k, p in mutations(_tree(), {})}
+    assert got == {("enable", ((2, 2),)), ("enable", ((3, 2),))}
+
+
+def test_mutate_lift_disable_enable_parent():
+    got = {(k, tuple(sorted(p.items()))) for k, p in mutations(_tree(), {3: 2})}
+    assert ("mutate", ((3, 3),)) in got                  # 2 -> 3, next divisor of 12
+    assert ("disable", ()) in got
+    assert ("lift", ((1, 2),)) in got                    # the parent replaces the child
+    assert ("enable", ((2, 2), (3, 2))) in got           # another leaf
+    assert ("enable", ((1, 2),)) in got                  # parent of an enabled node
+    assert all(dict(p).get(0, 1) == 1 for _, p in got)   # the root is two steps away
+
+
+def test_mutate_walks_the_divisors():
+    c = _tree()
+    plan = {3: 2}
+    seen = []
+    while True:
+        nxt = [p for k, p in mutations(c, plan) if k == "mutate"]
+        if not nxt:
+            break
+        plan = nxt[0]
+        seen.append(plan[3])
+    assert seen == [3, 4, 6, 12]
+
+
+@pytest.mark.parametrize("name", ["mlp", "vit"])
+def test_zoo_best_candidate_saves_memory_and_is_allclose(name):
+    from magis_nb import zoo
+    case = zoo.build(name, "tiny")
+    prog = trace(case.model, case.inputs, loss_fn=case.loss_fn)
+    dg = DGraph(prog.graph)
+    cands = build_ftree(dg, prog.hotspots())
+    best = max(cands, key=lambda c: c.score)
+    split = prog.with_graph(apply_fission(dg, [best.ftrans(2)]))
+    ref = Reference(case.model, case.inputs, case.loss_fn, "train")
+    chk = ref.check(split.module())
+    assert chk.comparison.allclose, chk.comparison.mismatches
+    assert chk.measured_peak == split.simulate().peak
+    assert chk.measured_peak < 0.75 * prog.simulate().peak
