@@ -23,6 +23,7 @@ class Component:
     ambiguous: set[int] = field(default_factory=set)       # ops with several axes here
     size: int = 0                                          # gcd of the axis sizes
     name: str = ""
+    inputs: list[tuple[str, int]] = field(default_factory=list)  # graph-input dims linked
 
     @property
     def ops(self) -> list[int]:
@@ -68,6 +69,10 @@ class DGraph:
                     elif (r.node, r.out, dim) in out_axis:
                         union(("op", v, a), ("op", r.node, out_axis[(r.node, r.out, dim)]))
         groups: dict[tuple, Component] = {}
+        linked: dict[tuple, list[tuple[str, int]]] = {}
+        for x in sorted(parent):
+            if x[0] == "in":
+                linked.setdefault(find(x), []).append((graph.nodes[x[1]].name, x[2]))
         for x in sorted(parent):
             if x[0] != "op":
                 continue
@@ -79,6 +84,8 @@ class DGraph:
                 comp.axis_of.pop(v, None)
             else:
                 comp.axis_of[v] = a
+        for root, comp in groups.items():
+            comp.inputs = linked.get(root, [])
         comps = [c for c in groups.values() if c.axis_of]
         comps.sort(key=lambda c: (-len(c.axis_of), min(c.axis_of)))
         self.components: list[Component] = []
@@ -88,8 +95,11 @@ class DGraph:
             c.size = 0
             for s in sizes:
                 c.size = gcd(c.size, s)
-            names = [self.dims[v].axes[a].name for v, a in c.axis_of.items()]
-            c.name = max(sorted(set(names)), key=names.count) if names else ""
+            # Named after the data dim it splits ("x0[1]": dim 1 of the first user
+            # input -- batch is usually x0[0]), else a weight's dim, else its length.
+            data = [f"{n}[{d}]" for n, d in c.inputs if n.startswith("x")]
+            weights = [f"{n}[{d}]" for n, d in c.inputs if not n.startswith("x")]
+            c.name = (data or weights or [f"len{c.size}"])[0]
             self.components.append(c)
 
     def axis(self, v: int, comp: int):
