@@ -1,0 +1,260 @@
+"""MeasuredCost: each distinct op signature timed once on the real device, cached
+on disk (keyed by torch version, device and CPU/threads)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Sequence
+
+from ..ir.graph import Graph, Node, Ref
+from .cost import CostModel, RooflineCost, _dtype_name, _node
+from .profiles import get_profile
+
+
+def _cache_dir(cache_dir) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir)
+    env = os.environ.get("MAGIS_NB_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "magis_nb"
+
+
+def _slug(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.+]+", "_", s).strip("_")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def _profile_for_gpu(name: str) -> str:
+    s = name.lower().replace(" ", "")
+    for key, prof in (("3090", "rtx3090"), ("a100", "a100"), ("h100", "h100"), ("h200", "h200")):
+        if key in s:
+            return prof
+    return "a100"
+
+
+class MeasuredCost:
+    """Each distinct op signature timed once on the real device, cached on disk.
+
+    The signature is the target, every tensor argument's shape/dtype/stride and
+    every other argument. Inputs are random floats; integer and bool tensors are
+    zeros (valid indices for embedding, nll_loss targets, pooling indices). An op
+    that cannot run (or has no ATen callable) falls back to ``fallback`` (a roofline
+    on the local CPU, or on the closest GPU profile for CUDA) and is remembered as
+    unrunnable (null in the JSON). The cache file is
+    ``<cache_dir>/costs-<torch version>-<device tag>.json``; the cache dir is
+    ``cache_dir``, else $MAGIS_NB_CACHE_DIR, else ~/.cache/magis_nb. On the CPU the
+    device tag includes the CPU model and the torch thread count (timings depend on
+    both). ``timed`` counts the signatures this instance actually ran.
+    """
+
+    def __init__(self, device="cpu", cache_dir=None, *, reps: int = 5,
+                 fallback: CostModel | None = None):
+        import torch
+
+        self.device = torch.device(device)
+        self.reps = max(1, reps)
+        self.cuda = self.device.type == "cuda"
+        if self.cuda:
+            if not torch.cuda.is_available():
+                raise RuntimeError("MeasuredCost(device='cuda'): CUDA is not available")
+            idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            self.device = torch.device("cuda", idx)
+            gpu = torch.cuda.get_device_name(idx)
+            tag = f"cuda-{gpu}"
+            self.fallback = fallback or RooflineCost(_profile_for_gpu(gpu))
+        elif self.device.type == "cpu":
+            tag = f"cpu-{_cpu_model()}-{torch.get_num_threads()}t"
+            self.fallback = fallback or RooflineCost("cpu")
+        else:
+            raise ValueError(f"MeasuredCost: unsupported device {device!r}")
+        self.path = _cache_dir(cache_dir) / f"costs-{_slug(torch.__version__)}-{_slug(tag)}.json"
+        self.table: dict[str, float | None] = self._load()
+        self.timed = 0
+        self._host_bw: float | None = None
+
+    def __repr__(self) -> str:
+        return f"MeasuredCost({str(self.device)!r}, {len(self.table)} signatures)"
+
+    # -- cache ---------------------------------------------------------------
+    def _load(self) -> dict:
+        try:
+            with open(self.path) as f:
+                data = json.load(f)
+            return dict(data.get("ops", {}))
+        except (OSError, ValueError):
+            return {}
+
+    def save(self) -> None:
+        """Merge this instance's table into the file (atomic replace)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        merged = self._load()
+        merged.update(self.table)
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            json.dump({"ops": dict(sorted(merged.items()))}, f, indent=0)
+        os.replace(tmp, self.path)
+
+    # -- signature -----------------------------------------------------------
+    @staticmethod
+    def signature(graph: Graph, n: Node) -> str:
+        import torch
+
+        def enc(o):
+            if isinstance(o, Ref):
+                t = graph.tensor(o)
+                st = list(t.stride) if t.stride is not None else None
+                return ["T", list(t.shape), _dtype_name(t.dtype), st]
+            if isinstance(o, (list, tuple)):
+                return [enc(x) for x in o]
+            if isinstance(o, dict):
+                return {k: enc(v) for k, v in sorted(o.items())}
+            if isinstance(o, torch.device):
+                return "<device>"
+            if isinstance(o, float) and not math.isfinite(o):
+                return repr(o)
+            if isinstance(o, (bool, int, float, str)) or o is None:
+                return o
+            return repr(o)
+
+        return json.dumps([n.target, enc(list(n.args)), enc(dict(n.kwargs))], separators=(",", ":"))
+
+    # -- measuring -----------------------------------------------------------
+    def _inputs(self, graph: Graph, n: Node):
+        import torch
+
+        gen = torch.Generator().manual_seed(0)
+        made: dict[Ref, object] = {}
+
+        def make(r: Ref):
+            if r in made:
+                return made[r]
+            t = graph.tensor(r)
+            shape = tuple(int(s) for s in t.shape)
+            stride = tuple(t.stride) if t.stride is not None and len(t.stride) == len(shape) else None
+            if stride is None:
+                stride = torch.empty(shape, device="meta").stride()
+            x = torch.empty_strided(shape, stride, dtype=t.dtype, device="cpu")
+            if x.is_floating_point():
+                x.copy_(torch.randn(shape, generator=gen).to(t.dtype))
+            else:
+                x.zero_()
+            x = x.to(self.device) if self.device.type != "cpu" else x
+            if x.stride() != stride:    # .to() may drop the strides; keep the captured ones
+                y = torch.empty_strided(shape, stride, dtype=t.dtype, device=self.device)
+                y.copy_(x)
+                x = y
+            made[r] = x
+            return x
+
+        def sub(o):
+            if isinstance(o, Ref):
+                return make(o)
+            if isinstance(o, torch.device):
+                return self.device
+            if isinstance(o, list):
+                return [sub(x) for x in o]
+            if isinstance(o, tuple):
+                return tuple(sub(x) for x in o)
+            if isinstance(o, dict):
+                return {k: sub(v) for k, v in o.items()}
+            return o
+
+        return sub(tuple(n.args)), sub(dict(n.kwargs))
+
+    def _time_op(self, graph: Graph, n: Node) -> float | None:
+        """Median seconds of ``reps`` runs after one warm-up; None if it cannot run."""
+        import torch
+
+        if not isinstance(n.op, torch._ops.OpOverload):
+            return None
+        devices = [self.device.index] if self.cuda else []
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            try:
+                args, kwargs = self._inputs(graph, n)
+                t0 = time.perf_counter()
+                n.op(*args, **kwargs)          # warm-up
+                if self.cuda:
+                    torch.cuda.synchronize(self.device)
+                first = time.perf_counter() - t0
+                reps = self.reps if first < 0.1 else 1
+                ts = [self._once(n.op, args, kwargs) for _ in range(reps)]
+            except Exception:                  # noqa: BLE001 -- any failure: fall back
+                return None
+        self.timed += 1
+        return statistics.median(ts)
+
+    def _once(self, fn, args, kwargs) -> float:
+        if self.cuda:
+            import torch
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(*args, **kwargs)
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        fn(*args, **kwargs)
+        return time.perf_counter() - t0
+
+    def measure(self, graph: Graph, nodes: Sequence[int] | None = None) -> int:
+        """Time every not-yet-cached op of ``graph``, then save once; returns how many."""
+        before = self.timed
+        new = False
+        for nid in (graph.program_order() if nodes is None else nodes):
+            n = graph.nodes[nid]
+            key = self.signature(graph, n)
+            if key not in self.table:
+                self.table[key] = self._time_op(graph, n)
+                new = True
+        if new:
+            self.save()
+        return self.timed - before
+
+    def op_cost(self, graph: Graph, node: Node | int) -> float:
+        n = _node(graph, node)
+        if n.kind != "op":
+            return 0.0
+        key = self.signature(graph, n)
+        if key not in self.table:
+            self.table[key] = self._time_op(graph, n)
+            self.save()
+        t = self.table[key]
+        return float(t) if t is not None else self.fallback.op_cost(graph, n)
+
+    def transfer_cost(self, nbytes: int) -> float:
+        """Host link time: a measured pinned host<->device copy on CUDA; on the CPU a
+        swap is a memory copy (read + write)."""
+        if nbytes <= 0:
+            return 0.0
+        if self._host_bw is None:
+            self._host_bw = self._measure_host_bw()
+        return nbytes / self._host_bw
+
+    def _measure_host_bw(self) -> float:
+        if not self.cuda:
+            return self.fallback.profile.host_link_bw if isinstance(self.fallback, RooflineCost) \
+                else get_profile("cpu").host_link_bw
+        import torch
+        n = 64 * 2**20
+        host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(n, dtype=torch.uint8, device=self.device)
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize(self.device)
+        ts = [self._once(lambda: dev.copy_(host, non_blocking=True), (), {}) for _ in range(5)]
+        return n / statistics.median(ts)
