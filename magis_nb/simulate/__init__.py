@@ -1,12 +1,11 @@
 """Simulation of a schedule: memory (memory.py, pure Python), op costs (cost.py:
-roofline against device profiles; measured.py: timed on this device) and latency
-on a compute stream plus a copy stream (latency.py)."""
-from .cost import CostModel, RooflineCost, make_cost, op_bytes, op_flops
-from .latency import LatencyResult, Transfer, program_latency, simulate_latency
+roofline against device profiles in profiles.py; measured.py: timed on this
+device) and latency on a compute stream plus a copy stream (latency.py).
+
+Only the memory model is re-exported here: the IR imports it, and cost/latency
+import the IR, so they are imported from their modules.
+"""
 from .memory import MemGraph, MemoryTimeline, Storage, peak_memory, simulate_memory, storage_intervals
-from .profiles import PROFILES, DeviceProfile, get_profile
 
 __all__ = ["MemGraph", "Storage", "MemoryTimeline", "simulate_memory", "peak_memory",
-           "storage_intervals", "CostModel", "RooflineCost", "make_cost", "op_flops", "op_bytes",
-           "LatencyResult", "Transfer", "simulate_latency", "program_latency", "PROFILES",
-           "DeviceProfile", "get_profile"]
+           "storage_intervals"]
