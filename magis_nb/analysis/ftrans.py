@@ -52,31 +52,34 @@ def divisors(L: int) -> list[int]:
     return [d for d in range(1, L + 1) if L % d == 0]
 
 
-def _weakly_connected(g: Graph, ops: frozenset[int]) -> bool:
-    start = min(ops)
-    seen, stack = {start}, [start]
-    while stack:
-        v = stack.pop()
-        for w in g.preds(v) + g.succs(v):
-            if w in ops and w not in seen:
-                seen.add(w)
-                stack.append(w)
-    return len(seen) == len(ops)
-
-
-def _convex(g: Graph, ops: frozenset[int]) -> bool:
+def reentered(g: Graph, ops) -> set[int]:
+    """Ops of ``ops`` reachable again after a path has left ``ops`` (empty: convex)."""
     frontier = {w for v in ops for w in g.succs(v) if w not in ops}
-    seen = set(frontier)
-    stack = list(frontier)
+    seen, stack = set(frontier), list(frontier)
     while stack:
         v = stack.pop()
         for w in g.succs(v):
-            if w in ops:
-                return False
             if w not in seen:
                 seen.add(w)
                 stack.append(w)
-    return True
+    return seen & set(ops)
+
+
+def weak_pieces(g: Graph, ops) -> list[set[int]]:
+    """The weakly connected pieces of G[ops]."""
+    left, out = set(ops), []
+    while left:
+        start = min(left)
+        piece, stack = {start}, [start]
+        while stack:
+            v = stack.pop()
+            for w in g.preds(v) + g.succs(v):
+                if w in left and w not in piece:
+                    piece.add(w)
+                    stack.append(w)
+        left -= piece
+        out.append(piece)
+    return out
 
 
 def check(dg: DGraph, ops, comp: int, n: int = 2) -> str | None:
@@ -93,9 +96,9 @@ def check(dg: DGraph, ops, comp: int, n: int = 2) -> str | None:
             return f"{g.nodes[v].name} has no single axis in dimension {comp}"
     if n > 1 and max_parts(dg, ops, comp) % n:
         return f"{n} does not divide the axis length {max_parts(dg, ops, comp)}"
-    if not _weakly_connected(g, ops):
+    if len(weak_pieces(g, ops)) != 1:
         return "not weakly connected"
-    if not _convex(g, ops):
+    if reentered(g, ops):
         return "not convex: a path leaves the region and comes back"
     for v in ops:
         ax = dg.axis(v, comp)

@@ -12,7 +12,7 @@ import rustworkx as rx
 
 from ..ir.graph import Graph, Ref, iter_refs
 from .dgraph import DGraph
-from .ftrans import FTrans, check, divisors, max_parts
+from .ftrans import FTrans, check, divisors, max_parts, reentered, weak_pieces
 
 
 # Splitting into more parts than this only adds per-op overhead (and the split
@@ -87,32 +87,7 @@ def _convex_core(g: Graph, ops: set[int]) -> set[int]:
     again leaves the convex prefix -- in a training graph, the forward part of a
     subgraph that would otherwise straddle the loss.
     """
-    frontier = {w for v in ops for w in g.succs(v) if w not in ops}
-    seen, stack = set(frontier), list(frontier)
-    while stack:
-        v = stack.pop()
-        for w in g.succs(v):
-            if w not in seen:
-                seen.add(w)
-                stack.append(w)
-    return ops - seen
-
-
-def _pieces(g: Graph, ops: set[int]) -> list[set[int]]:
-    """Weakly connected pieces of G[ops]."""
-    left, out = set(ops), []
-    while left:
-        start = min(left)
-        piece, stack = {start}, [start]
-        while stack:
-            v = stack.pop()
-            for w in g.preds(v) + g.succs(v):
-                if w in left and w not in piece:
-                    piece.add(w)
-                    stack.append(w)
-        left -= piece
-        out.append(piece)
-    return out
+    return ops - reentered(g, ops)
 
 
 def _region(g: Graph, dominated: set[int], hot_by_op: dict[int, int]) -> set[int]:
@@ -121,7 +96,7 @@ def _region(g: Graph, dominated: set[int], hot_by_op: dict[int, int]) -> set[int
     core = _convex_core(g, dominated)
     if not core:
         return set()
-    return max(_pieces(g, core), key=lambda p: (sum(hot_by_op.get(v, 0) for v in p), len(p), -min(p)))
+    return max(weak_pieces(g, core), key=lambda p: (sum(hot_by_op.get(v, 0) for v in p), len(p), -min(p)))
 
 
 def build_ftree(dg: DGraph, hotspots: dict[Ref, int], *, levels: int = 4, n: int = 2,
