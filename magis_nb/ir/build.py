@@ -128,7 +128,7 @@ def build_graph(cap: Captured) -> Graph:
                 alias = src if isinstance(src, Ref) else None
             outs.append(TensorInfo(tuple(v.shape), v.dtype,
                                    0 if alias is not None else _storage_bytes(v), alias,
-                                   tuple(v.stride())))
+                                   tuple(v.stride()), v.device.type))
         node = Node(id=nid, name=_ident(fn.name, taken), kind="op", target=op_name(fn.target),
                     op=fn.target, args=args, kwargs=kwargs, outputs=outs,
                     rng=_is_rng(fn.target), multi=multi)

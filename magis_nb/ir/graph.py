@@ -34,6 +34,7 @@ class TensorInfo:
     nbytes: int                     # bytes of the storage it allocates (0 for a view)
     alias: Ref | None = None        # the tensor whose storage this one shares
     stride: tuple[int, ...] | None = None  # as captured (None when made by a rewrite)
+    device: str | None = None       # device type as captured ("cpu", "cuda", "meta")
 
 
 @dataclass

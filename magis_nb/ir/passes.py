@@ -8,7 +8,9 @@ numbers than eager. ATen's CPU kernel fills a bool tensor laid out like x with
 that as ``empty_like`` + ``bernoulli_`` (the only RNG op, kept in program order)
 + ``native_dropout_backward(x, mask, scale)`` (elementwise, splittable). The
 masks and outputs are bit-identical to eager's (tests/test_passes.py checks it),
-and the memory is the same: one bool mask and one output.
+and the memory is the same: one bool mask and one output. CUDA's native_dropout is
+a fused kernel with its own random stream, so there the op is left whole (a
+barrier for fission) rather than draw other masks than eager.
 
 Note [a mean loss as a sum over the batch]
 A mean NLL loss divides by the total weight of the whole batch, so no part of a
@@ -74,6 +76,8 @@ class _Rewriter:
 def _dropout_rule(rw: _Rewriter, n: Node) -> bool:
     if n.target != "aten.native_dropout.default" or not _train(n):
         return False
+    if (n.outputs[0].device or "cpu") not in ("cpu", "meta"):
+        return False  # CUDA's fused dropout kernel draws differently: keep it whole
     x = rw.fix(n.args[0])
     p = float(n.args[1])
     out_t, mask_t = n.outputs
