@@ -12,6 +12,7 @@ A final ``alias`` node, ordered after every write, stands for the full result.
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from typing import Iterable
@@ -95,8 +96,8 @@ class _Builder:
             v.args = map_refs(v.args, remap)
             v.kwargs = map_refs(v.kwargs, remap)
             v.deps = tuple(sorted(new[d] for d in v.deps))
-            v.outputs = [None if t is None else TensorInfo(
-                t.shape, t.dtype, t.nbytes, None if t.alias is None else Ref(new[t.alias.node], t.alias.out))
+            v.outputs = [None if t is None else dataclasses.replace(
+                t, alias=None if t.alias is None else Ref(new[t.alias.node], t.alias.out))
                 for t in v.outputs]
             out_nodes.append(v)
         return Graph(out_nodes, [Ref(new[r.node], r.out) for r in outputs], roles)
@@ -139,17 +140,16 @@ def apply_fission(dg: DGraph, regions: Iterable[FTrans]) -> Graph:
         v.args = map_refs(n.args, resolve)
         v.kwargs = map_refs(n.kwargs, resolve)
         v.deps = tuple(proto[d] for d in n.deps)
-        v.outputs = [None if t is None else TensorInfo(t.shape, t.dtype, t.nbytes,
-                                                       None if t.alias is None else resolve(t.alias))
-                     for t in n.outputs]
+        v.outputs = [None if t is None else dataclasses.replace(
+            t, alias=None if t.alias is None else resolve(t.alias)) for t in n.outputs]
     # Region nodes were built with "external" refs in original ids: resolve them now.
     for v in b.nodes:
         if getattr(v, "_pending", False):
             v.args = map_refs(v.args, lambda r, _k: resolve(r) if isinstance(r, _Ext) else r)
             v.kwargs = map_refs(v.kwargs, lambda r, _k: resolve(r) if isinstance(r, _Ext) else r)
-            v.outputs = [None if t is None else TensorInfo(
-                t.shape, t.dtype, t.nbytes,
-                resolve(t.alias) if isinstance(t.alias, _Ext) else t.alias) for t in v.outputs]
+            v.outputs = [None if t is None else dataclasses.replace(
+                t, alias=resolve(t.alias) if isinstance(t.alias, _Ext) else t.alias)
+                for t in v.outputs]
             del v._pending
     return b.finish([resolve(r) for r in g.outputs], g.output_roles)
 

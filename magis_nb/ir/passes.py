@@ -24,6 +24,7 @@ same shape, which depends on nothing. Results equal eager's to fp32 rounding.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -34,7 +35,7 @@ from .graph import Graph, Node, Ref, TensorInfo, map_refs
 aten = torch.ops.aten
 
 
-class _Rewriter:
+class Rewriter:
     """Copies a graph node by node (ids stay topological) while a rule may replace
     a node by several; ``fix`` maps old refs to new ones."""
 
@@ -57,9 +58,8 @@ class _Rewriter:
     def copy(self, n: Node) -> None:
         fix = self.fix
         new = Node(len(self.nodes), n.name, n.kind, n.target, n.op, map_refs(n.args, fix),
-                   map_refs(n.kwargs, fix), [None if t is None else TensorInfo(
-                       t.shape, t.dtype, t.nbytes, None if t.alias is None else fix(t.alias))
-                       for t in n.outputs],
+                   map_refs(n.kwargs, fix), [None if t is None else dataclasses.replace(
+                       t, alias=None if t.alias is None else fix(t.alias)) for t in n.outputs],
                    n.category, n.role, n.rng, n.multi,
                    tuple(fix(Ref(d, 0)).node for d in n.deps), n.region)
         self.nodes.append(new)
@@ -73,7 +73,7 @@ class _Rewriter:
         return Graph(self.nodes, [self.fix(r) for r in self.g.outputs], self.g.output_roles)
 
 
-def _dropout_rule(rw: _Rewriter, n: Node) -> bool:
+def _dropout_rule(rw: Rewriter, n: Node) -> bool:
     if n.target != "aten.native_dropout.default" or not _train(n):
         return False
     if (n.outputs[0].device or "cpu") not in ("cpu", "meta"):
@@ -110,13 +110,13 @@ def _dropout_rule(rw: _Rewriter, n: Node) -> bool:
 def decompose_dropout(g: Graph) -> Graph:
     if not any(n.target == "aten.native_dropout.default" and _train(n) for n in g.nodes):
         return g
-    return _Rewriter(g).run(_dropout_rule)
+    return Rewriter(g).run(_dropout_rule)
 
 
 _NLL = ("aten.nll_loss_forward.default", "aten.nll_loss2d_forward.default")
 
 
-def _mean_loss_rule(rw: _Rewriter, n: Node) -> bool:
+def _mean_loss_rule(rw: Rewriter, n: Node) -> bool:
     """See Note [a mean loss as a sum over the batch]."""
     if n.target in ("aten.ones_like.default", "aten.zeros_like.default"):
         t = n.outputs[0]
@@ -149,7 +149,7 @@ def _mean_loss_rule(rw: _Rewriter, n: Node) -> bool:
 
 
 def split_mean_loss(g: Graph) -> Graph:
-    return _Rewriter(g).run(_mean_loss_rule)
+    return Rewriter(g).run(_mean_loss_rule)
 
 
 def _dense(shape, stride) -> bool:
