@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from magis_nb.ir import graph_digest, iter_refs
+from magis_nb.ir import Ref, graph_digest, iter_refs
 from magis_nb.program import trace
 from magis_nb.rules import can_rematerialize, merge_recompute, rematerialize
 from magis_nb.runtime import measure_cpu
@@ -79,14 +79,12 @@ def test_remat_in_a_training_step_matches_eager():
     case = zoo.build("mlp", "tiny")
     prog = trace(case.model, case.inputs, loss_fn=case.loss_fn)
     g = prog.graph
-    for relu in [n.id for n in g.ops if n.target == "aten.relu.default"]:
-        name = g.nodes[relu].name
+    for name in [n.name for n in g.ops if n.target == "aten.relu.default"]:
+        relu = [n.id for n in g.ops if n.name == name][0]   # ids move with each rewrite
         late = [n.id for n in g.ops if n.category == "gradient"
-                and any(r.node == relu for r in iter_refs((n.args, n.kwargs)))]
+                and any(g.storage_of(r) == Ref(relu, 0) for r in iter_refs((n.args, n.kwargs)))]
         if late:
             g = rematerialize(g, relu, late)
-            relu_new = [n.id for n in g.ops if n.name == name][0]
-            assert g.nodes[relu_new].target == "aten.relu.default"
     relus = lambda gr: sum(n.target == "aten.relu.default" for n in gr.ops)  # noqa: E731
     assert relus(g) > relus(prog.graph), "some relu output is read by the backward"
     re = prog.with_graph(g)

@@ -47,8 +47,9 @@ class Node:
     args: tuple = ()                # Refs where tensors go
     kwargs: dict = field(default_factory=dict)
     outputs: list[TensorInfo | None] = field(default_factory=list)
-    category: str = "activation"    # weight|buffer|input|activation|gradient|loss
+    category: str = "activation"    # weight|buffer|input|activation|gradient|loss|host
     role: tuple = ()                # inputs: ("param", name) | ("buffer", name) | ("input", i)
+                                    # | ("pool", i): a host buffer the module owns (swap)
     rng: bool = False               # draws from the global RNG
     multi: bool = False             # returns a tuple/list (outputs unpacked)
     deps: tuple = ()                # extra predecessors (ordering only, no data)
@@ -163,8 +164,10 @@ class Graph:
                 if t is None or t.alias is not None:
                     continue
                 producer = index.get(n.id, -1)
+                # Host memory (swap buffers) is not device memory: it costs no
+                # bytes in the device peak that the simulator and schedulers minimize.
                 storages.append(Storage(
-                    size=t.nbytes, producer=producer,
+                    size=0 if n.category == "host" else t.nbytes, producer=producer,
                     users=tuple(sorted(users.get(r, ()))), keep=r in kept,
                     category=n.category))
                 refs.append(r)

@@ -30,7 +30,7 @@ import math
 import torch
 
 from .build import _ident
-from .graph import Graph, Node, Ref, TensorInfo, map_refs
+from .graph import Graph, Node, Ref, TensorInfo, iter_refs, map_refs
 
 aten = torch.ops.aten
 
@@ -164,3 +164,31 @@ def _dense(shape, stride) -> bool:
 
 def _train(n: Node) -> bool:
     return len(n.args) < 3 or n.args[2] is None or bool(n.args[2])
+
+
+def prune_dead_views(g: Graph) -> Graph:
+    """Drop views nobody reads (and views only those read, transitively).
+
+    A view allocates nothing, but it reads its base: the memory model keeps the
+    base alive until the view op runs. After a rewrite redirects a view's readers
+    (swap, remat), the orphaned view would pin the base storage to its old place.
+    """
+    read: set[int] = {r.node for r in g.outputs}
+    dead: set[int] = set()
+    for n in reversed(g.nodes):
+        if (n.kind == "op" and n.id not in read and not n.rng and not n.deps
+                and n.outputs and all(t is not None and t.alias is not None for t in n.outputs)
+                and not writes_into_input(n)):
+            dead.add(n.id)
+            continue
+        read.update(r.node for r in iter_refs((n.args, n.kwargs)))
+        read.update(n.deps)
+    if not dead:
+        return g
+    return Rewriter(g).run(lambda rw, n: n.id in dead)
+
+
+def writes_into_input(n: Node) -> bool:
+    schema = getattr(n.op, "_schema", None)
+    return bool(schema) and any(a.alias_info is not None and a.alias_info.is_write
+                                for a in schema.arguments)

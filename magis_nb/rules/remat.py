@@ -16,14 +16,9 @@ from typing import Iterable
 
 import torch
 
-from ..ir.graph import Graph, Node, Ref, iter_refs, map_refs
-from ..ir.passes import Rewriter
-
-
-def _mutates(n: Node) -> bool:
-    schema = getattr(n.op, "_schema", None)
-    return bool(schema) and any(a.alias_info is not None and a.alias_info.is_write
-                                for a in schema.arguments)
+from ..ir.graph import Graph, Node, Ref, map_refs
+from ..ir.passes import Rewriter, prune_dead_views, writes_into_input
+from .redirect import Redirect, readers
 
 
 def can_rematerialize(g: Graph, a: int) -> str | None:
@@ -33,7 +28,7 @@ def can_rematerialize(g: Graph, a: int) -> str | None:
         return f"{n.name} is a graph input"
     if n.rng:
         return f"{n.name} draws random numbers"
-    if _mutates(n) or n.deps or n.region:
+    if writes_into_input(n) or n.deps or n.region:
         return f"{n.name} writes into a tensor or belongs to a fission region"
     if not isinstance(n.op, torch._ops.OpOverload):
         return f"{n.name} is not an ATen op"
@@ -45,13 +40,14 @@ def rematerialize(g: Graph, a: int, users: Iterable[int]) -> Graph:
     if why:
         raise ValueError(f"cannot rematerialize: {why}")
     users = set(users)
-    consumers = {u.id for u in g.nodes
-                 if any(r.node == a for r in iter_refs((u.args, u.kwargs)))}
-    if not users or not users <= consumers:
-        raise ValueError(f"users must be consumers of {g.nodes[a].name}")
     src = g.nodes[a]
+    outs_of_a = [Ref(a, i) for i, t in enumerate(src.outputs) if t is not None]
+    if not users or not users <= set().union(*(readers(g, r) for r in outs_of_a)):
+        raise ValueError(f"users must read {src.name}'s outputs (directly or through views)")
     first = min(users)
     copy_of: dict[Ref, Ref] = {}
+    # Views of a's outputs that users read are rebuilt on the copy's outputs.
+    redirect = Redirect(g, [r for r in outs_of_a if g.tensor(r).alias is None])
 
     def rule(rw: Rewriter, n: Node) -> bool:
         if n.id == first:
@@ -61,17 +57,13 @@ def rematerialize(g: Graph, a: int, users: Iterable[int]) -> Graph:
             cid = rw.add(src.name + "_re", src.target, src.op, map_refs(src.args, fix),
                          map_refs(src.kwargs, fix), outs, src.category)
             rw.nodes[cid].multi = src.multi
-            copy_of.update({Ref(a, i): Ref(cid, i) for i in range(len(src.outputs))})
+            copy_of.update({r: Ref(cid, r.out) for r in outs_of_a})
         if n.id in users:
-            saved = {r: rw.remap.get(r) for r in copy_of}
-            rw.remap.update(copy_of)           # this user reads the recomputed copy
-            rw.copy(n)
-            for r, v in saved.items():
-                rw.remap[r] = v
+            redirect.copy(rw, n, copy_of)
             return True
         return False
 
-    return Rewriter(g).run(rule)
+    return prune_dead_views(Rewriter(g).run(rule))
 
 
 def merge_recompute(g: Graph, a: int, b: int) -> Graph:

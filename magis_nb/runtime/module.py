@@ -39,6 +39,11 @@ class OptimizedModule(nn.Module):
         # (a later in-place accumulation would write into the input): clone it.
         input_ids = {n.id for n in graph.inputs}
         self._clone_out = [graph.storage_of(r).node in input_ids for r in graph.outputs]
+        # Host buffers for swapped tensors: allocated once per plan, reused on every
+        # call (pinned when a GPU could copy from them asynchronously).
+        pin = torch.cuda.is_available()
+        self._pools = [torch.empty(n.outputs[0].shape, dtype=n.outputs[0].dtype, pin_memory=pin)
+                       for n in graph.inputs if n.role and n.role[0] == "pool"]
 
     def _check(self, inputs: tuple) -> None:
         if len(inputs) != len(self._input_meta):
@@ -61,6 +66,7 @@ class OptimizedModule(nn.Module):
         args = [params[n] for n in self._param_names]
         args += [buffers[n] for n in self._buffer_names]
         args += list(inputs)
+        args += self._pools
         dev = inputs[0].device
         with torch.no_grad():
             outs = self._fn(dev, *args)
