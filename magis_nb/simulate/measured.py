@@ -148,6 +148,15 @@ class MeasuredCost:
             stride = tuple(t.stride) if t.stride is not None and len(t.stride) == len(shape) else None
             if stride is None:
                 stride = torch.empty(shape, device="meta").stride()
+            if 0 in stride:
+                # an expanded view (stride 0) cannot be written element by element:
+                # make the small base and expand it, as the program does
+                base = tuple(1 if st == 0 else sz for sz, st in zip(shape, stride))
+                src = torch.randn(base, generator=gen) if t.dtype.is_floating_point \
+                    else torch.zeros(base)
+                x = src.to(t.dtype).expand(shape)
+                made[r] = x.to(self.device) if self.device.type != "cpu" else x
+                return made[r]
             x = torch.empty_strided(shape, stride, dtype=t.dtype, device="cpu")
             if x.is_floating_point():
                 x.copy_(torch.randn(shape, generator=gen).to(t.dtype))
