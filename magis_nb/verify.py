@@ -64,27 +64,6 @@ class StepCheck:
     eager_peak: int
 
 
-def check_step(model: nn.Module, inputs: tuple, loss_fn, mode: str,
-               make_runner: Callable[[nn.Module], Callable], *, seed: int = 0,
-               rtol=RTOL, atol=ATOL) -> StepCheck:
-    """Run eager on a deep copy and ``make_runner(model)`` on ``model``, same RNG.
-
-    Both peaks come from the same CPU tracker, from the same starting state
-    (grads set to None).
-    """
-    ref = copy.deepcopy(model)
-    for m in (model, ref):
-        for p in m.parameters():
-            p.grad = None
-    runner = make_runner(model)
-    torch.manual_seed(seed)
-    ours = measure_cpu(lambda: runner(*inputs), model_baseline(model, inputs))
-    torch.manual_seed(seed)
-    eager = measure_cpu(lambda: eager_step(ref, inputs, loss_fn, mode), model_baseline(ref, inputs))
-    cmp = compare_models(ref, model, eager.result, ours.result, rtol=rtol, atol=atol)
-    return StepCheck(cmp, ours.peak, ours.baseline, eager.peak)
-
-
 class Reference:
     """Eager PyTorch's result for one step, computed once, to hold many plans against.
 
@@ -117,3 +96,13 @@ class Reference:
         cmp = compare_models(self.ref, self.model, self.out, ours.result, rtol=rtol, atol=atol)
         self.restore()
         return StepCheck(cmp, ours.peak, ours.baseline, self.eager_peak)
+
+
+def check_step(model: nn.Module, inputs: tuple, loss_fn, mode: str,
+               make_runner: Callable[[nn.Module], Callable], *, seed: int = 0,
+               rtol=RTOL, atol=ATOL) -> StepCheck:
+    """One plan against eager (see ``Reference``): eager runs on a deep copy,
+    ``make_runner(model)`` on ``model``, both from the same state and RNG seed;
+    ``model`` is put back as it was afterwards."""
+    return Reference(model, inputs, loss_fn, mode, seed).check(make_runner(model),
+                                                               rtol=rtol, atol=atol)

@@ -16,6 +16,17 @@ def _threads_and_seed():
     yield
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread. Runs after the 2-thread fixture above: on a 2-core box,
+    2 threads plus any other busy process make OpenMP barriers stall (conv steps
+    went from 0.2 s to 6 s); one thread is immune, and no test asserts timings."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

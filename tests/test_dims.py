@@ -27,13 +27,7 @@ BARRIERS = {"aten.native_dropout.default", "aten.bernoulli_.float", "aten.nll_lo
             "aten.empty_strided.default"}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # see tests/test_zoo.py: one thread is immune to OpenMP stalls on a busy 2-core box
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 # -- the soundness check --------------------------------------------------------

@@ -13,15 +13,7 @@ TINY = zoo.names("tiny")
 PAPER = zoo.names("paper")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Runs after conftest's 2-thread fixture. On this 2-core box, 2 intra-op threads
-    # plus any other busy process make OpenMP barriers stall (conv steps went from
-    # 0.2 s to 6 s); one thread is immune and these tests assert no timings.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 # Published parameter counts of the real architectures (tests allow 2%).
 PAPER_PARAMS = {

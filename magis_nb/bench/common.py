@@ -27,10 +27,6 @@ def fixed_threads(n: int = 2) -> None:
     torch.set_num_threads(n)
 
 
-def mib(b: float) -> str:
-    return f"{b / 2**20:9.2f}"
-
-
 def table(rows: list[dict], cols: list[tuple[str, str]]) -> str:
     """Plain-text table: cols are (key, header)."""
     cells = [[h for _, h in cols]] + [[str(r.get(k, "")) for k, _ in cols] for r in rows]

@@ -9,12 +9,12 @@ rescheduling time and peak.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import statistics
 import time
 
+from magis_nb.bench.common import write_json
 from magis_nb.schedule import reschedule, schedule
 from magis_nb.schedule.bounds import order_lower_bound
 from magis_nb.schedule.random_graphs import random_graph, random_mutation, transformer_like
@@ -114,10 +114,7 @@ def main(argv=None):
           f"(min {inc['min_speedup']:.1f}x, max {inc['max_speedup']:.1f}x); "
           f"same peak {inc['same_quality_fraction']:.0%}, "
           f"incremental not worse {inc['not_worse_fraction']:.0%}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"order_peaks": rows, "incremental": inc}, f, indent=1)
-        print(f"wrote {args.json}")
+    write_json(args.json, {"order_peaks": rows, "incremental": inc})
     return 0
 
 
