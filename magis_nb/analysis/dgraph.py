@@ -112,8 +112,8 @@ class DGraph:
 
 def _rule(graph: Graph, n) -> OpDims | None:
     """A rule that raises is treated as no rule: an unknown op is a barrier."""
-    if n.rng or n.deps:  # a split RNG op would draw other numbers than eager
-        return None
+    if n.deps:  # ordered after other ops (a split region's join): never split again
+        return None  # (RNG ops get no rule from op_dims itself)
     try:
         ins = [graph.tensor(r).shape for r in iter_refs((n.args, n.kwargs))]
         outs = [t.shape if t is not None else None for t in n.outputs]
