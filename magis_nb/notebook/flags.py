@@ -1,0 +1,124 @@
+"""Flag values of ``%%magis`` and ``%magis_budget``: parsed and checked up front.
+
+Every check raises `UsageError` before anything runs, so a typo in a flag never
+costs a search (or leaves half a result in the namespace).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from IPython.core.error import UsageError
+
+# Decimal units as disks and cloud GPUs are sold ("2GB" = 2e9 bytes); binary units
+# as PyTorch's memory_summary prints them ("2GiB" = 2 * 2**30).
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(%|[kmgt]?i?b)?\s*$", re.I)
+MODES = ("train", "infer")
+
+
+@dataclass
+class MagisFlags:
+    """What ``%%magis`` was asked to do, after validation."""
+    model: str | None = None
+    inputs: list[str] | None = None
+    loss: str | None = None
+    mode: str = "train"
+    mem: float | int | None = None     # ratio (<= 16) or bytes, as optimize() takes it
+    lat: float | None = None           # ratio of the unoptimized latency
+    time: float = 60.0
+    profile: str | None = None
+    out: str | None = None
+    quiet: bool = False
+    plot: bool = True
+
+
+def parse_mem(text: str | None) -> float | int | None:
+    """'0.5' -> 0.5 (ratio), '50%' -> 0.5, '2GB' -> 2_000_000_000, '1.5GiB' -> bytes."""
+    if text is None:
+        return None
+    m = _SIZE.match(text)
+    if not m:
+        raise UsageError(f"--mem {text!r}: expected a ratio of the unoptimized peak "
+                         "(0.5, 50%) or a size (800MB, 2GB, 1.5GiB)")
+    value, unit = float(m.group(1)), (m.group(2) or "").lower()
+    if value <= 0:
+        raise UsageError(f"--mem {text!r}: the budget must be positive")
+    if unit == "%":
+        return value / 100
+    if unit == "":
+        # optimize() reads values <= 16 as ratios, larger ones as bytes
+        if value > 16 and value != int(value):
+            raise UsageError(f"--mem {text!r}: a plain number above 16 is a byte count "
+                             "and must be whole; add a unit (MB, GiB) or give a ratio")
+        return value if value <= 16 else int(value)
+    nbytes = int(value * _UNITS[unit])
+    if nbytes <= 16:
+        raise UsageError(f"--mem {text!r}: {nbytes} bytes is no budget; did you mean a ratio?")
+    return nbytes
+
+
+def parse_ratio(flag: str, text: str | None) -> float | None:
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: expected a number such as 1.1") from None
+    if value <= 0:
+        raise UsageError(f"{flag} {text!r}: must be positive")
+    return value
+
+
+def parse_names(flag: str, text: str | None) -> list[str] | None:
+    if text is None:
+        return None
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise UsageError(f"{flag} {text!r}: expected comma-separated variable names")
+    for n in names:
+        check_identifier(flag, n)
+    return names
+
+
+def check_identifier(flag: str, name: str | None) -> str | None:
+    if name is not None and not name.isidentifier():
+        raise UsageError(f"{flag} {name!r} is not a Python variable name")
+    return name
+
+
+def check_profile(text: str | None) -> str | None:
+    """None (measure this machine), a profile name, 'measured[:dev]' or 'roofline:NAME'."""
+    if text is None:
+        return None
+    from ..simulate.profiles import profile_names
+    known = profile_names()
+    kind, _, arg = text.partition(":")
+    if text in known or kind == "measured" or (kind == "roofline" and arg in known):
+        return text
+    raise UsageError(f"--profile {text!r}: unknown device profile; choose one of "
+                     f"{', '.join(known)} (or 'measured' for this machine)")
+
+
+def from_args(args) -> MagisFlags:
+    """Validate the argparse namespace of ``%%magis`` into `MagisFlags`."""
+    if args.mode not in MODES:
+        raise UsageError(f"--mode {args.mode!r}: expected train or infer")
+    time = parse_ratio("--time", args.time)
+    if args.mem is not None and args.lat is not None:
+        raise UsageError("give --mem or --lat, not both: a memory budget picks the fastest "
+                         "plan under it, a latency budget the lowest peak within it")
+    return MagisFlags(
+        model=check_identifier("--model", args.model),
+        inputs=parse_names("--inputs", args.inputs),
+        loss=check_identifier("--loss", args.loss),
+        mode=args.mode,
+        mem=parse_mem(args.mem),
+        lat=parse_ratio("--lat", args.lat),
+        time=60.0 if time is None else time,
+        profile=check_profile(args.profile),
+        out=check_identifier("-o", args.out),
+        quiet=args.quiet,
+        plot=not args.no_plot,
+    )

@@ -1,0 +1,179 @@
+"""%%magis and %magis_budget in an in-process IPython shell, against the real optimize()."""
+import pytest
+import torch
+from IPython.core.error import UsageError
+from IPython.utils.capture import capture_output
+
+MODEL = '''
+import torch, torch.nn as nn, torch.nn.functional as F
+torch.manual_seed(0)
+
+class Tiny(nn.Module):
+    def __init__(self, vocab=64, d=32):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        return self.head(h + self.mlp(h))
+
+model = Tiny()
+x = torch.randint(0, 64, (8, 32))
+y = torch.randint(0, 64, (8, 32))
+def loss_fn(logits, target):
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+'''
+
+
+@pytest.fixture(scope="module")
+def ip():
+    from IPython.testing.globalipapp import get_ipython
+    shell = get_ipython()
+    shell.run_line_magic("load_ext", "magis_nb")
+    yield shell
+    shell.run_line_magic("unload_ext", "magis_nb")
+
+
+def run(ip, src):
+    with capture_output() as out:
+        res = ip.run_cell(src)
+    return res, out
+
+
+def magis(ip, flags="", body=MODEL):
+    ip.user_ns.clear()
+    ip.user_ns.update({"__name__": "__main__", "__builtins__": __builtins__})
+    return run(ip, f"%%magis --time 2 {flags}\n{body}")
+
+
+@pytest.fixture(scope="module")
+def done(ip):
+    """One successful search, shared by the tests that only look at it."""
+    res, out = magis(ip, "--mem 0.6")
+    assert res.error_in_exec is None, out.stdout + out.stderr
+    return dict(ip.user_ns), out
+
+
+def test_load_unload_and_help():
+    from IPython.testing.globalipapp import get_ipython
+    shell = get_ipython()
+    shell.run_line_magic("load_ext", "magis_nb")
+    assert shell.find_cell_magic("magis") and shell.find_line_magic("magis_budget")
+    doc = shell.find_cell_magic("magis").__doc__
+    for flag in ("--model", "--inputs", "--loss", "--mode", "--mem", "--lat", "--time",
+                 "--profile", "-o", "-q", "--no-plot"):
+        assert flag in doc
+    with capture_output() as out:
+        shell.run_cell("%%magis?\n")
+    assert "--mem" in out.stdout and "Run the cell" in out.stdout
+    shell.run_line_magic("unload_ext", "magis_nb")
+    assert shell.find_cell_magic("magis") is None and shell.find_line_magic("magis_budget") is None
+    shell.run_line_magic("load_ext", "magis_nb")   # and back, for the other tests
+
+
+def test_result_bound_and_trains_like_eager(done):
+    ns, out = done
+    from magis_nb.runtime import OptimizedModule
+    from magis_nb.search import OptimizeResult
+    opt, result = ns["model_opt"], ns["model_opt_result"]
+    assert isinstance(opt, OptimizedModule) and isinstance(result, OptimizeResult)
+    assert result.met and result.plan.peak <= 0.6 * result.before.peak
+    model, x, y = ns["model"], ns["x"], ns["y"]
+    ref = ns["loss_fn"](model(x), y)
+    ref.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    loss = opt(x, y)
+    assert torch.allclose(loss, ref.detach(), rtol=1e-5, atol=1e-6)
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, want[n], rtol=1e-4, atol=1e-5), n
+    model.zero_grad()
+    assert "def " in result.code and result.code == opt.code
+    html = result._repr_html_()
+    for part in ("budget", "peak memory", "step latency", "fission", "re-materialized",
+                 "swapped to host", "search", "MiB", " ms"):
+        assert part in html
+    # terminal report: table, bound names, both figures as text, a tqdm bar on stderr
+    assert "| before |" in out.stdout and "bound: model_opt (module)" in out.stdout
+    assert "magis model" in out.stderr
+    pngs = [o for o in out.outputs if "image/png" in o.data]
+    assert len(pngs) == 2 and all(o.data["image/png"].startswith(b"\x89PNG") for o in pngs)
+
+
+def test_output_name_quiet_no_plot(ip):
+    res, out = magis(ip, "-o small -q --mem 0.8")
+    assert res.error_in_exec is None
+    assert "small" in ip.user_ns and "small_result" in ip.user_ns and "model_opt" not in ip.user_ns
+    assert out.stdout == "" and out.stderr == "" and out.outputs == []
+    res, out = magis(ip, "--no-plot --lat 1.5 --mode train")
+    assert res.error_in_exec is None and ip.user_ns["model_opt_result"].budget_kind == "lat"
+    assert "| after |" in out.stdout
+    assert not [o for o in out.outputs if "image/png" in o.data]
+
+
+def test_magis_budget_reselects_and_rebinds(ip, done):
+    magis(ip, "-q --mem 0.6")
+    r = ip.user_ns["model_opt_result"]
+    assert len({p.peak for p in r.pareto}) >= 2, r.pareto
+    low, high = min(r.pareto, key=lambda p: p.peak), max(r.pareto, key=lambda p: p.peak)
+    res, out = run(ip, f"%magis_budget {high.peak / r.before.peak + 1e-6}")
+    assert res.error_in_exec is None and r.plan is min(
+        [p for p in r.pareto if p.peak <= high.peak], key=lambda p: (p.latency, p.peak))
+    assert ip.user_ns["model_opt"] is r.module_for(r.plan) and "| after |" in out.stdout
+    res, _ = run(ip, f"%magis_budget {low.peak}")        # bytes this time
+    assert res.error_in_exec is None and r.plan is low and r.met
+    assert ip.user_ns["model_opt"] is r.module_for(low)
+    for bad, msg in (("abc", "--mem"), ("0.5 --lat 1.2", "not both"), ("-o nope 0.5", "nope"),
+                     ("", "memory budget")):
+        res, _ = run(ip, f"%magis_budget {bad}")
+        assert isinstance(res.error_in_exec, UsageError) and msg in str(res.error_in_exec), bad
+    assert ip.user_ns["model_opt"] is r.module_for(low)   # failures changed nothing
+
+
+def _untouched(ip, flags, body, msg):
+    """The error is a UsageError naming `msg`; names are as the cell's own code left them."""
+    sentinel = object()
+    ip.user_ns.clear()
+    ip.user_ns.update({"__name__": "__main__", "__builtins__": __builtins__,
+                       "model_opt": sentinel, "keep": 1})
+    res, out = run(ip, f"%%magis --time 2 {flags}\n{body}")
+    assert isinstance(res.error_in_exec, UsageError), (res.error_in_exec, out.stdout)
+    assert msg in str(res.error_in_exec), str(res.error_in_exec)
+    assert ip.user_ns["model_opt"] is sentinel and "model_opt_result" not in ip.user_ns
+    assert ip.user_ns["keep"] == 1
+    return ip.user_ns, str(res.error_in_exec)
+
+
+def test_error_paths_leave_namespace(ip):
+    ns, _ = _untouched(ip, "", "a = 1\nimport torch\nx = torch.ones(2)", "found no model")
+    assert ns["a"] == 1                                 # the cell's own work stays
+    two = MODEL + "\nother = Tiny()\n"
+    _untouched(ip, "", two, "several candidate models (model, other)")
+    ns, _ = _untouched(ip, "--mem 0.5 --lat 2", "a = 1", "not both")
+    assert "a" not in ns                                # bad flags: the cell never ran
+    _untouched(ip, "--mode eval", "a = 1", "--mode 'eval'")
+    _untouched(ip, "--profile tpu9", "a = 1", "unknown device profile")
+
+
+def test_capture_failure_names_source_line(ip):
+    body = MODEL.replace("        h = self.emb(idx)\n",
+                         "        h = self.emb(idx)\n        if h.sum() > 0:\n            h = -h\n")
+    _, msg = _untouched(ip, "", body, "could not capture model")
+    assert "if h.sum() > 0:" in msg
+
+
+def test_infeasible_budget_says_lowest_peak(ip):
+    _, msg = _untouched(ip, "--mem 0.01", MODEL, "lowest peak reached is")
+    assert "Nothing was bound" in msg and "MiB" in msg
+
+
+def test_cell_errors_show_the_cell(ip):
+    res, out = magis(ip, "", "a = 1\nb = [1][2]\n")
+    assert isinstance(res.error_in_exec, IndexError)
+    assert ip.user_ns["a"] == 1 and "b" not in ip.user_ns
+    tb = out.stdout + out.stderr
+    assert "b = [1][2]" in tb and "line 3" in tb        # %%magis is line 1 of the cell
+    res, out = magis(ip, "-q", MODEL + "\nz = !echo hi\n")  # IPython syntax runs
+    assert res.error_in_exec is None and ip.user_ns["z"] == ["hi"]
