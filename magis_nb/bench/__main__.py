@@ -9,6 +9,7 @@ COMMANDS = {
     "capture": "capture every paper-size zoo model on fake tensors (time, peak RSS)",
     "sched": "DP / incremental scheduling against program order",
     "fission": "F-Tree candidates of every tiny zoo model, split, measured, checked",
+    "optimize": "the optimizer under memory/latency budgets (CPU measured; paper sizes simulated)",
 }
 
 

@@ -56,7 +56,7 @@ class Redirect:
     def copy(self, rw: Rewriter, n: Node, copy_of: dict[Ref, Ref]) -> None:
         """``copy_of`` maps each base (and any other replaced tensor) to its copy."""
         mine = {r for r in iter_refs((n.args, n.kwargs))
-                if self.g.storage_of(r) in self.bases or r in copy_of}
+                if self.g.storage_of(r) in copy_of or r in copy_of}
         saved = {r: rw.remap.get(r) for r in mine}
         for r in mine:
             rw.remap[r] = copy_of[r] if r in copy_of else self._on(rw, r, copy_of[self.g.storage_of(r)])

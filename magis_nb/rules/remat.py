@@ -16,13 +16,24 @@ from typing import Iterable
 
 import torch
 
-from ..ir.graph import Graph, Node, Ref, map_refs
+from ..ir.graph import Graph, Node, Ref, iter_refs, map_refs
 from ..ir.passes import Rewriter, prune_dead_views, writes_into_input
 from .redirect import Redirect, readers
 
 
-def can_rematerialize(g: Graph, a: int) -> str | None:
-    """None when op ``a`` may be recomputed, else why not."""
+def written_in_place(g: Graph) -> dict[Ref, str]:
+    """Base tensors that some op writes into -> that op's name."""
+    out: dict[Ref, str] = {}
+    for m in g.ops:
+        if writes_into_input(m):
+            for r in iter_refs((m.args, m.kwargs)):
+                out.setdefault(g.storage_of(r), m.name)
+    return out
+
+
+def can_rematerialize(g: Graph, a: int, written: dict[Ref, str] | None = None) -> str | None:
+    """None when op ``a`` may be recomputed, else why not. ``written``: the
+    graph's `written_in_place` when the caller asks about many ops."""
     n = g.nodes[a]
     if n.kind != "op":
         return f"{n.name} is a graph input"
@@ -32,34 +43,61 @@ def can_rematerialize(g: Graph, a: int) -> str | None:
         return f"{n.name} writes into a tensor or belongs to a fission region"
     if not isinstance(n.op, torch._ops.OpOverload):
         return f"{n.name} is not an ATen op"
+    # An output filled in place later (a dropout mask: empty, then bernoulli_ into
+    # it) holds data its producer never computed: a recompute would not have it.
+    written = written_in_place(g) if written is None else written
+    for i, t in enumerate(n.outputs):
+        if t is not None and Ref(a, i) in written:
+            return f"{n.name}'s output is written in place by {written[Ref(a, i)]}"
     return None
 
 
 def rematerialize(g: Graph, a: int, users: Iterable[int]) -> Graph:
-    why = can_rematerialize(g, a)
-    if why:
-        raise ValueError(f"cannot rematerialize: {why}")
-    users = set(users)
-    src = g.nodes[a]
-    outs_of_a = [Ref(a, i) for i, t in enumerate(src.outputs) if t is not None]
-    if not users or not users <= set().union(*(readers(g, r) for r in outs_of_a)):
-        raise ValueError(f"users must read {src.name}'s outputs (directly or through views)")
-    first = min(users)
-    copy_of: dict[Ref, Ref] = {}
+    return rematerialize_all(g, [(a, users)])
+
+
+def rematerialize_all(g: Graph, specs: Iterable[tuple[int, Iterable[int]]]) -> Graph:
+    """Several remats (op, users) in one pass: the same result as applying
+    `rematerialize` to each in turn, without rebuilding the graph each time."""
+    specs = [(a, set(users)) for a, users in specs]
+    if len({a for a, _ in specs}) != len(specs):
+        raise ValueError("an op is rematerialized twice in one batch")
+    outs: list[list[Ref]] = []
+    written = written_in_place(g)
+    for a, users in specs:
+        why = can_rematerialize(g, a, written)
+        if why:
+            raise ValueError(f"cannot rematerialize: {why}")
+        src = g.nodes[a]
+        outs_of_a = [Ref(a, i) for i, t in enumerate(src.outputs) if t is not None]
+        if not users or not users <= set().union(*(readers(g, r) for r in outs_of_a)):
+            raise ValueError(f"users must read {src.name}'s outputs (directly or through views)")
+        outs.append(outs_of_a)
+    by_first: dict[int, list[int]] = {}
+    by_user: dict[int, list[int]] = {}
+    for k, (a, users) in enumerate(specs):
+        by_first.setdefault(min(users), []).append(k)
+        for u in users:
+            by_user.setdefault(u, []).append(k)
+    copy_of: list[dict[Ref, Ref]] = [{} for _ in specs]
     # Views of a's outputs that users read are rebuilt on the copy's outputs.
-    redirect = Redirect(g, [r for r in outs_of_a if g.tensor(r).alias is None])
+    redirect = Redirect(g, [r for o in outs for r in o if g.tensor(r).alias is None])
 
     def rule(rw: Rewriter, n: Node) -> bool:
-        if n.id == first:
+        for k in by_first.get(n.id, ()):
+            src = g.nodes[specs[k][0]]
             fix = rw.fix
-            outs = [None if t is None else dataclasses.replace(
+            new_outs = [None if t is None else dataclasses.replace(
                 t, alias=None if t.alias is None else fix(t.alias)) for t in src.outputs]
             cid = rw.add(src.name + "_re", src.target, src.op, map_refs(src.args, fix),
-                         map_refs(src.kwargs, fix), outs, src.category)
+                         map_refs(src.kwargs, fix), new_outs, src.category)
             rw.nodes[cid].multi = src.multi
-            copy_of.update({r: Ref(cid, r.out) for r in outs_of_a})
-        if n.id in users:
-            redirect.copy(rw, n, copy_of)
+            copy_of[k].update({r: Ref(cid, r.out) for r in outs[k]})
+        if n.id in by_user:
+            mine: dict[Ref, Ref] = {}
+            for k in by_user[n.id]:
+                mine.update(copy_of[k])
+            redirect.copy(rw, n, mine)
             return True
         return False
 

@@ -24,6 +24,7 @@ import torch
 from ..ir.graph import Graph, Node, Ref, TensorInfo, iter_refs
 from ..ir.passes import Rewriter, prune_dead_views
 from .redirect import Redirect, readers
+from .remat import written_in_place
 
 aten = torch.ops.aten
 
@@ -32,41 +33,70 @@ def swap(g: Graph, a: Ref, users: Iterable[int]) -> Graph:
     """``users`` read ``a``'s output directly or through views of it; they get the
     loaded copy (views are rebuilt on it), so ``a``'s storage can die after its
     other readers."""
-    t = g.tensor(a)
-    src = g.nodes[a.node]
-    if src.kind != "op" or t.alias is not None or src.region:
-        raise ValueError(f"{src.name}: only an op's own (non-view) output outside a "
-                         "fission region can be swapped")
-    users = set(users)
-    if not users or not users <= readers(g, a):
-        raise ValueError(f"users must read {src.name}'s output {a.out}")
-    n_pools = sum(1 for n in g.inputs if n.role and n.role[0] == "pool")
+    return swap_all(g, [(a, users)])
+
+
+def swap_all(g: Graph, specs: Iterable[tuple[Ref, Iterable[int]]]) -> Graph:
+    """Several swaps (tensor, users) in one pass over the graph: the same result
+    as applying `swap` to each in turn, without rebuilding the graph each time."""
+    specs = [(a, set(users)) for a, users in specs]
+    if len({a for a, _ in specs}) != len(specs):
+        raise ValueError("a tensor is swapped twice in one batch")
+    written = written_in_place(g)
+    for a, users in specs:
+        t = g.tensor(a)
+        src = g.nodes[a.node]
+        if src.kind != "op" or t.alias is not None or src.region:
+            raise ValueError(f"{src.name}: only an op's own (non-view) output outside a "
+                             "fission region can be swapped")
+        if a in written:
+            # the Store would copy it before the in-place write fills it
+            raise ValueError(f"{src.name}'s output is written in place by {written[a]}")
+        if not users or not users <= readers(g, a):
+            raise ValueError(f"users must read {src.name}'s output {a.out}")
+    # numbered past the largest pool index: an unswap may have left a gap
+    n_pools = 1 + max((n.role[1] for n in g.inputs if n.role and n.role[0] == "pool"), default=-1)
     last_input = max(n.id for n in g.inputs)
-    first = min(users)
-    state: dict = {}
-    redirect = Redirect(g, [a])
+    by_first: dict[int, list[int]] = {}
+    by_user: dict[int, list[int]] = {}
+    by_src: dict[int, list[int]] = {}
+    for k, (a, users) in enumerate(specs):
+        by_first.setdefault(min(users), []).append(k)
+        by_src.setdefault(a.node, []).append(k)
+        for u in users:
+            by_user.setdefault(u, []).append(k)
+    pools: dict[int, int] = {}
+    stores: dict[int, int] = {}
+    loads: dict[int, int] = {}
+    redirect = Redirect(g, [a for a, _ in specs])
 
     def rule(rw: Rewriter, n: Node) -> bool:
-        if n.id == first:
-            store = Ref(state["store"], 0)
-            state["load"] = rw.add(src.name + "_load", "aten._to_copy.default",
-                                   aten._to_copy.default, (store,), {"device": torch.device("cpu")},
-                                   [TensorInfo(t.shape, t.dtype, t.nbytes)], src.category)
-        if n.id in users:
-            redirect.copy(rw, n, {a: Ref(state["load"], 0)})
-            return True
-        rw.copy(n)
+        for k in by_first.get(n.id, ()):
+            a = specs[k][0]
+            t, src = g.tensor(a), g.nodes[a.node]
+            loads[k] = rw.add(src.name + "_load", "aten._to_copy.default",
+                              aten._to_copy.default, (Ref(stores[k], 0),),
+                              {"device": torch.device("cpu")},
+                              [TensorInfo(t.shape, t.dtype, t.nbytes)], src.category)
+        if n.id in by_user:
+            redirect.copy(rw, n, {specs[k][0]: Ref(loads[k], 0) for k in by_user[n.id]})
+        else:
+            rw.copy(n)
         if n.id == last_input:
-            pid = len(rw.nodes)
-            rw.nodes.append(Node(pid, f"host{n_pools}_{src.name}", "input", "input",
-                                 outputs=[dataclasses.replace(t, alias=None)],
-                                 category="host", role=("pool", n_pools)))
-            state["pool"] = pid
-        if n.id == a.node:
-            pool = Ref(state["pool"], 0)
-            state["store"] = rw.add(src.name + "_store", "aten.copy_.default",
-                                    aten.copy_.default, (pool, rw.fix(a)), {},
-                                    [TensorInfo(t.shape, t.dtype, 0, pool)], "host")
+            for k, (a, _) in enumerate(specs):
+                t, src = g.tensor(a), g.nodes[a.node]
+                pid = len(rw.nodes)
+                rw.nodes.append(Node(pid, f"host{n_pools + k}_{src.name}", "input", "input",
+                                     outputs=[dataclasses.replace(t, alias=None)],
+                                     category="host", role=("pool", n_pools + k)))
+                pools[k] = pid
+        for k in by_src.get(n.id, ()):
+            a = specs[k][0]
+            t, src = g.tensor(a), g.nodes[a.node]
+            pool = Ref(pools[k], 0)
+            stores[k] = rw.add(src.name + "_store", "aten.copy_.default",
+                               aten.copy_.default, (pool, rw.fix(a)), {},
+                               [TensorInfo(t.shape, t.dtype, 0, pool)], "host")
         return True
 
     return prune_dead_views(Rewriter(g).run(rule))

@@ -1,0 +1,114 @@
+"""optimize: the whole optimizer under budgets.
+
+(a) tiny zoo models on this CPU with measured op costs, at lat_budget 1.10 and at
+mem_budget 0.4: the chosen plan's measured peak (CPU storage tracker) against
+eager PyTorch's, its measured wall time against eager's (median of --reps runs
+after 2 warm-ups, same thread count), its simulated peak and whether it is
+allclose to eager. (b) paper-size models planned for a simulated RTX 3090 at
+lat_budget 1.10 and 1.05 and mem_budget 0.8 and 0.4: simulated memory ratio and
+latency overhead (nothing runs: the models live on the meta device).
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+from .. import zoo
+from ..capture import eager_step
+from ..search import optimize
+from ..verify import Reference
+from .common import fixed_threads, parser, table, write_json
+
+CPU_MODELS = ("unet", "unetpp", "gpt", "vit", "bert")
+PAPER_MODELS = ("resnet", "bert", "vit", "unet", "unetpp", "gpt", "btlm")
+CPU_BUDGETS = (("lat", 1.10), ("mem", 0.4))
+PAPER_BUDGETS = (("lat", 1.10), ("lat", 1.05), ("mem", 0.8), ("mem", 0.4))
+
+
+def _median_time(fn, params, reps: int) -> float:
+    ts = []
+    for i in range(reps + 2):
+        for p in params:
+            p.grad = None
+        t0 = time.perf_counter()
+        fn()
+        if i >= 2:
+            ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def cpu_row(name: str, kind: str, budget: float, time_budget: float, reps: int) -> dict:
+    case = zoo.build(name, "tiny")
+    kw = {"mem_budget": budget} if kind == "mem" else {"lat_budget": budget}
+    t0 = time.perf_counter()
+    res = optimize(case.model, case.inputs, loss_fn=case.loss_fn, time_budget=time_budget, **kw)
+    seconds = time.perf_counter() - t0
+    mod = res.module
+    ref = Reference(case.model, case.inputs, case.loss_fn, "train")
+    chk = ref.check(mod)
+    eager_model = copy.deepcopy(case.model)
+    t_eager = _median_time(lambda: eager_step(eager_model, case.inputs, case.loss_fn, "train"),
+                           list(eager_model.parameters()), reps)
+    t_opt = _median_time(lambda: mod(*case.inputs), list(case.model.parameters()), reps)
+    ref.restore()
+    return {"model": name, "size": "tiny", "profile": res.profile, "budget_kind": kind,
+            "budget": budget, "met": res.met,
+            "mem_ratio": round(chk.measured_peak / chk.eager_peak, 4),
+            "sim_mem_ratio": round(res.plan.peak / res.before.peak, 4),
+            "sim_peak": res.plan.peak, "measured_peak": chk.measured_peak,
+            "sim_vs_measured": round(abs(res.plan.peak - chk.measured_peak) / chk.measured_peak, 4),
+            "lat_ratio": round(t_opt / t_eager, 4),
+            "sim_lat_ratio": round(res.lat_ratio, 4),
+            "measured": True, "allclose": chk.comparison.allclose,
+            "applied": res.plan.applied, "states": res.states, "seconds": round(seconds, 1)}
+
+
+def paper_row(name: str, kind: str, budget: float, time_budget: float, profile: str) -> dict:
+    case = zoo.build(name, "paper", device="meta")
+    kw = {"mem_budget": budget} if kind == "mem" else {"lat_budget": budget}
+    t0 = time.perf_counter()
+    res = optimize(case.model, case.inputs, loss_fn=case.loss_fn, time_budget=time_budget,
+                   device_profile=profile, **kw)
+    return {"model": name, "size": "paper", "profile": profile, "budget_kind": kind,
+            "budget": budget, "met": res.met, "mem_ratio": round(res.mem_ratio, 4),
+            "lat_ratio": round(res.lat_ratio, 4), "measured": False, "allclose": None,
+            "peak_before_MiB": round(res.before.peak / 2**20), "peak_after_MiB": round(res.plan.peak / 2**20),
+            "applied": res.plan.applied, "states": res.states,
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def main(argv) -> int:
+    p = parser("optimize", __doc__)
+    p.add_argument("--part", choices=("a", "b", "all"), default="all")
+    p.add_argument("--time-budget", type=float, default=60.0, help="search seconds per run")
+    p.add_argument("--cpu-models", default=",".join(CPU_MODELS))
+    p.add_argument("--paper-models", default=",".join(PAPER_MODELS))
+    p.add_argument("--profile", default="rtx3090", help="device profile for part (b)")
+    p.add_argument("--reps", type=int, default=7, help="timed runs per measurement (median)")
+    a = p.parse_args(argv)
+    fixed_threads()
+    rows = []
+    cols = [("model", "model"), ("budget_kind", "kind"), ("budget", "budget"), ("met", "met"),
+            ("mem_ratio", "mem ratio"), ("lat_ratio", "lat ratio")]
+    if a.part in ("a", "all"):
+        for name in a.cpu_models.split(","):
+            for kind, b in CPU_BUDGETS:
+                r = cpu_row(name, kind, b, a.time_budget, a.reps)
+                rows.append(r)
+                print(table([r], cols + [("sim_mem_ratio", "sim mem"), ("sim_lat_ratio", "sim lat"),
+                                         ("sim_vs_measured", "sim err"), ("allclose", "allclose"),
+                                         ("applied", "applied"), ("seconds", "s")]), flush=True)
+    if a.part in ("b", "all"):
+        for name in a.paper_models.split(","):
+            for kind, b in PAPER_BUDGETS:
+                r = paper_row(name, kind, b, a.time_budget, a.profile)
+                rows.append(r)
+                print(table([r], cols + [("peak_before_MiB", "before MiB"),
+                                         ("peak_after_MiB", "after MiB"), ("applied", "applied"),
+                                         ("states", "states"), ("seconds", "s")]), flush=True)
+    write_json(a.json, rows)
+    bad = [r for r in rows if r["allclose"] is False
+           or (r["measured"] and r["met"] and r["sim_vs_measured"] > 0.03)]
+    print(f"{len(rows)} runs, {len(bad)} failing (not allclose, or feasible but measured >3% off)")
+    return 1 if bad else 0

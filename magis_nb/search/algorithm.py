@@ -1,0 +1,219 @@
+"""Algorithm 3 (the seed's §6.2): best-first search over fission, remat and swap.
+
+Modes. Memory limit M: minimize latency among states with peak <= M (states
+above M rank by peak). Latency limit L: minimize peak among states with latency
+<= L (states above L rank by latency). ``better(a, b, relax)`` is the seed's
+BetterThan: the lexicographic key of ``a`` against ``b``'s key scaled by
+``relax``; a child enters the queue when it is better than the best so far
+relaxed by 1.1, so slightly worse states stay explorable.
+
+Which rewrites a state proposes (the seed's heuristic H2): only tensors live at
+the peak. Swap and remat act on the largest of them, one at a time and in
+batches (a training peak holds hundreds of saved activations: one tensor per
+step would need hundreds of steps), with their users being the readers after the
+peak. F-Tree rules: enable the best-scoring candidates, mutate n, lift, disable.
+Inverse rules: drop one of the latest batches (de-swap, de-remat).
+"""
+from __future__ import annotations
+
+import heapq
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..analysis.ftree import mutations
+from ..ir.digest import graph_digest
+from ..ir.graph import iter_refs
+from ..rules.remat import can_rematerialize, written_in_place
+from .space import Batch, Remat, Space, State, Swap, _readers
+
+RELAX = 1.1
+SINGLE = 4                 # single-tensor rewrites proposed per state and rule
+BATCHES = (2, 4, 8, 16, 32)  # batch sizes proposed per state and rule
+ENABLE = 6                 # F-Tree candidates proposed for enabling per state
+QUEUE_CAP = 64             # states kept in the queue (the worst are dropped)
+
+
+@dataclass
+class Objective:
+    kind: str                  # "mem" | "lat"
+    limit: float               # bytes | seconds
+
+    def key(self, s: State, relax: float = 1.0) -> tuple:
+        if self.kind == "mem":
+            return (max(relax * s.peak, self.limit), relax * s.latency)
+        return (max(relax * s.latency, self.limit), relax * s.peak)
+
+    def better(self, a: State, b: State, relax: float = 1.0) -> bool:
+        return self.key(a) < self.key(b, relax)
+
+    def feasible(self, s: State) -> bool:
+        return s.peak <= self.limit if self.kind == "mem" else s.latency <= self.limit
+
+
+@dataclass
+class SearchLog:
+    best: State
+    pareto: list[State] = field(default_factory=list)
+    states: int = 0
+    seconds: float = 0.0
+    interrupted: bool = False
+
+
+def _pareto_add(front: list[State], s: State) -> list[State]:
+    if any(o.peak <= s.peak and o.latency <= s.latency for o in front):
+        return front
+    front = [o for o in front if not (s.peak <= o.peak and s.latency <= o.latency)]
+    front.append(s)
+    front.sort(key=lambda o: (o.peak, o.latency))
+    return front
+
+
+def _ranked(space: Space, st: State) -> tuple[list[Swap], list[Remat]]:
+    """Swap and remat candidates among the peak's tensors, cheapest per byte first.
+
+    A swap costs the part of its Store + Load that the compute between the
+    tensor's last use before the peak and its first use after it cannot hide
+    (all of it where copies are synchronous). A remat costs its op again, and is
+    only proposed when the op's inputs are live at the peak anyway (resident, or
+    hot themselves): otherwise keeping them alive for the recompute eats the gain.
+    """
+    g = st.graph
+    pos = {v: i for i, v in enumerate(st.order)}
+    rd = _readers(g)
+    costs = space.costs
+    prefix = [0.0]
+    for v in st.order:
+        prefix.append(prefix[-1] + costs.of(g, v))
+    hot_bases = {r for _, r in st.hot}
+    written = written_in_place(g)
+    swaps, remats = [], []
+    for size, r in st.hot:
+        readers = rd.get(r, set())
+        users = {u for u in readers if pos[u] > st.peak_step}
+        if not users:
+            continue
+        before = readers - users
+        last_before = max([pos[u] for u in before] + [pos[r.node]])
+        first_after = min(pos[u] for u in users)
+        names = frozenset(g.nodes[u].name for u in users)
+        src = g.nodes[r.node].name
+        if r in written:
+            continue
+        xfer = 2 * costs.transfer_cost(size)
+        gap = prefix[first_after] - prefix[last_before + 1]
+        exposed = max(0.0, xfer - gap) if space.async_copies else xfer
+        swaps.append((exposed / size, -size, len(swaps), Swap(src, r.out, names)))
+        # Recomputing an op whose output nobody reads before the peak only moves
+        # it (the scheduler's job), and leaves a dead original behind.
+        if before and can_rematerialize(g, r.node, written) is None:
+            ins = {g.storage_of(x) for x in iter_refs((g.nodes[r.node].args, g.nodes[r.node].kwargs))}
+            if all(g.nodes[b.node].kind == "input" or b in hot_bases for b in ins):
+                remats.append((costs.of(g, r.node) / size, -size, len(remats), Remat(src, names)))
+    return [t[-1] for t in sorted(swaps)], [t[-1] for t in sorted(remats)]
+
+
+def proposals(space: Space, st: State, rng: random.Random) -> list[tuple[str, tuple, tuple, set]]:
+    """Children of ``st`` as (rule, plan, batches, touched op names)."""
+    swaps, remats = _ranked(space, st)
+    out = []
+
+    def add(rule, kind, specs):
+        if not specs:
+            return
+        touched = set()
+        for s in specs:
+            touched |= set(s.users)
+            touched.add(s.producer if kind == "swap" else s.op)
+        out.append((rule, st.plan, st.batches + (Batch(kind, frozenset(specs)),), touched))
+
+    for kind, cand in (("swap", swaps), ("remat", remats)):
+        for s in cand[:SINGLE]:
+            add(kind, kind, [s])
+        for k in BATCHES:
+            if len(cand) >= k:
+                add(f"{kind}x{k}", kind, cand[:k])
+    # F-Tree rules on the plan; rewrites are replayed on the new fission graph.
+    plan = dict(st.plan)
+    enables = []
+    for rule, new in mutations(space.cands, plan):
+        key = tuple(sorted(new.items()))
+        if rule == "enable":
+            (cid,) = set(new) - set(plan) or {None}
+            if cid is None:
+                continue
+            enables.append((space.cands[cid].score, cid, key))
+        else:
+            out.append((rule, key, st.batches, set()))
+    enables.sort(key=lambda t: (-t[0], t[1]))
+    for _, _, key in enables[:ENABLE]:
+        out.append(("enable", key, st.batches, set()))
+    for i in range(max(0, len(st.batches) - 3), len(st.batches)):
+        out.append((f"undo-{st.batches[i].kind}", st.plan, st.batches[:i] + st.batches[i + 1:], set()))
+    rng.shuffle(out)   # ties in the queue break by this (seeded) order
+    return out
+
+
+def search(space: Space, root: State, objective: Objective, *, time_budget: float,
+           seed: int = 0, max_states: int | None = None,
+           progress: Callable[[State, int, float, bool], None] | None = None,
+           progress_every: float = 0.25) -> SearchLog:
+    rng = random.Random(seed)
+    t0 = time.perf_counter()
+    log = SearchLog(root, [root], 1)
+    seen = {root.digest}
+    keys = {root.key}
+    counter = 0
+    queue = [(objective.key(root), counter, root)]
+    last = 0.0
+
+    def tick(done=False):
+        nonlocal last
+        now = time.perf_counter() - t0
+        if progress is not None and (done or now - last >= progress_every):
+            last = now
+            progress(log.best, log.states, now, done)
+
+    try:
+        while queue:
+            if time.perf_counter() - t0 > time_budget or (max_states and log.states >= max_states):
+                break
+            _, _, st = heapq.heappop(queue)
+            for rule, plan, batches, touched in proposals(space, st, rng):
+                if time.perf_counter() - t0 > time_budget or (max_states and log.states >= max_states):
+                    break
+                if (plan, batches) in keys:
+                    continue
+                keys.add((plan, batches))
+                incremental = plan == st.plan and len(batches) == len(st.batches) + 1
+                if incremental:
+                    g, last_b = space.apply(st.graph, batches[-1])
+                    if not last_b.specs:
+                        continue
+                    batches = st.batches + (last_b,)
+                else:
+                    g, batches = space.build(plan, batches)
+                d = graph_digest(g)
+                if d in seen:
+                    continue
+                seen.add(d)
+                child = space.evaluate(plan, batches, g, parent=st if incremental else None,
+                                       touched=touched if incremental else None, digest=d)
+                child.meta["rule"] = rule
+                log.states += 1
+                log.pareto = _pareto_add(log.pareto, child)
+                if objective.better(child, log.best):
+                    log.best = child
+                if objective.better(child, log.best, RELAX):
+                    counter += 1
+                    heapq.heappush(queue, (objective.key(child), counter, child))
+                    if len(queue) > QUEUE_CAP:
+                        queue = heapq.nsmallest(QUEUE_CAP // 2, queue)
+                        heapq.heapify(queue)
+                tick()
+    except KeyboardInterrupt:
+        log.interrupted = True
+    log.seconds = time.perf_counter() - t0
+    tick(done=True)
+    return log

@@ -1,0 +1,201 @@
+"""``magis_nb.optimize``: capture a step, search plans under a budget, return them."""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from ..program import trace
+from ..runtime import OptimizedModule
+from ..simulate.cost import RooflineCost, make_cost
+from ..simulate.memory import simulate_memory
+from ..simulate.profiles import profile_names
+from .algorithm import Objective, _pareto_add, search
+from .result import OptimizeResult, Plan, Progress, Region, Timeline
+from .space import Space, State
+from .transfers import swap_ops
+
+DEFAULT_LAT = 1.10        # no budget given: the lowest peak within 10% latency
+MiB = 2 ** 20
+
+
+def _cost_model(device_profile, inputs):
+    """(cost model, copies overlap compute, label)."""
+    if device_profile is None:
+        dev = next((x.device for x in inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
+        if dev.type == "cuda":
+            return make_cost("measured:cuda"), True, "measured:cuda"
+        return make_cost("measured"), False, "measured:cpu"
+    if not isinstance(device_profile, str):
+        cost = device_profile
+        prof = getattr(getattr(cost, "profile", None), "name", None)
+        return cost, prof not in (None, "cpu"), repr(cost)
+    spec = device_profile
+    if spec in ("measured", "measured:cpu", "measured:cuda"):
+        cuda = spec.endswith("cuda")
+        return make_cost(spec), cuda, spec if ":" in spec else "measured:cpu"
+    name = spec.split(":", 1)[1] if spec.startswith("roofline:") else spec
+    if name not in profile_names():
+        raise ValueError(f"unknown device profile {spec!r}; use one of "
+                         f"{', '.join(profile_names())} or 'measured'")
+    return RooflineCost(name), name != "cpu", name
+
+
+def _parse_mem(budget, before_peak: int) -> tuple[float, float]:
+    """(bytes, ratio) from a ratio (<= 16) or a byte count."""
+    b = float(budget)
+    if b <= 0:
+        raise ValueError(f"mem_budget must be positive, got {budget!r}")
+    if b <= 16:
+        return b * before_peak, b
+    return b, b / before_peak
+
+
+class _Builder:
+    """What the result needs from the search: modules, timelines, re-selection."""
+
+    def __init__(self, model: nn.Module, space: Space, before: State, profile: str):
+        self.model, self.space, self.before, self.profile = model, space, before, profile
+
+    def plan_of(self, st: State) -> Plan:
+        sp = self.space
+        regions = []
+        for cid, n in st.plan:
+            c = sp.cands[cid]
+            regions.append(Region(sp.dg.components[c.comp].name, n, len(c.ops),
+                                  sp.base.nodes[min(c.ops)].name))
+        remat = sorted(s.op for b in st.batches if b.kind == "remat" for s in b.specs)
+        swaps = sorted(f"{s.producer}" + (f"[{s.out}]" if s.out else "")
+                       for b in st.batches if b.kind == "swap" for s in b.specs)
+        return Plan(st.peak, st.latency, regions, remat, swaps, st)
+
+    def module(self, plan: Plan) -> nn.Module:
+        st = plan.state
+        return OptimizedModule(self.model, self.space.program.captured, st.graph, st.order)
+
+    def timeline(self, plan: Plan) -> Timeline:
+        st: State = plan.state
+        g = st.graph
+        mg, op_ids, _ = g.memgraph()
+        index = {nid: i for i, nid in enumerate(op_ids)}
+        tl = simulate_memory(mg, [index[v] for v in st.order])
+        steps = len(st.order)
+        pos = {v: i for i, v in enumerate(st.order)}
+        host = [0] * steps
+        stores, loads = swap_ops(g)
+        last_load: dict[int, int] = {}
+        for ld in loads:
+            s = g.nodes[ld].args[0].node
+            last_load[s] = max(last_load.get(s, -1), pos[ld])
+        for s in stores:
+            nb = g.tensor(g.nodes[s].args[1]).nbytes
+            for i in range(pos[s], last_load.get(s, steps - 1) + 1):
+                host[i] += nb
+        spans: dict[int, list[int]] = {}
+        for v in st.order:
+            reg = g.nodes[v].region
+            if reg:
+                sp = spans.setdefault(reg[0], [pos[v], pos[v]])
+                sp[0], sp[1] = min(sp[0], pos[v]), max(sp[1], pos[v])
+        labels = {rid: f"{self.space.dg.components[self.space.cands[c].comp].name}/{n}"
+                  for rid, (c, n) in enumerate(st.plan)}
+        regions = [(a, b, labels.get(rid, f"region {rid}")) for rid, (a, b) in sorted(spans.items())]
+        cats = {c: v for c, v in tl.by_category.items() if c != "host"}
+        return Timeline(cats, host, tl.peak, tl.peak_steps[0] if tl.peak_steps else 0, regions)
+
+    def select(self, res: OptimizeResult, mem_budget=None, lat_budget=None) -> Plan:
+        if mem_budget is not None and lat_budget is not None:
+            raise ValueError("give mem_budget or lat_budget, not both")
+        before = res.before
+        if mem_budget is not None:
+            limit, ratio = _parse_mem(mem_budget, before.peak)
+            kind = "mem"
+        else:
+            ratio = DEFAULT_LAT if lat_budget is None else float(lat_budget)
+            if ratio <= 0:
+                raise ValueError(f"lat_budget must be positive, got {lat_budget!r}")
+            limit, kind = ratio * before.latency, "lat"
+        front = res.pareto
+        if kind == "mem":
+            ok = [p for p in front if p.peak <= limit]
+            plan = min(ok, key=lambda p: (p.latency, p.peak)) if ok else min(front, key=lambda p: (p.peak, p.latency))
+        else:
+            ok = [p for p in front if p.latency <= limit]
+            plan = min(ok, key=lambda p: (p.peak, p.latency)) if ok else min(front, key=lambda p: (p.latency, p.peak))
+        res.plan, res.met = plan, bool(ok)
+        res.budget_kind = kind if (mem_budget is not None or lat_budget is not None) else None
+        res.budget, res.budget_ratio = limit, ratio
+        mem = f"peak {plan.peak / MiB:.2f} MiB ({plan.peak / before.peak:.2f}x)"
+        lat = f"latency x{plan.latency / before.latency:.3f}"
+        if kind == "mem":
+            what = f"memory budget {limit / MiB:.2f} MiB ({ratio:.2f}x)"
+            res.message = (f"{what} met: {mem}, {lat}" if ok else
+                           f"{what} NOT met: the lowest peak reached is {mem}, {lat}")
+        else:
+            what = f"latency budget x{ratio:.2f}"
+            res.message = (f"{what} met: {mem}, {lat}" if ok else
+                           f"{what} NOT met: the fastest plan found has {lat}, {mem}")
+        return plan
+
+
+def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode: str = "train",
+             mem_budget: float | int | None = None, lat_budget: float | None = None,
+             time_budget: float = 60.0, device_profile=None, seed: int = 0,
+             progress: Callable[[Progress], object] | None = None,
+             max_states: int | None = None) -> OptimizeResult:
+    """Capture ``model``'s step on ``inputs`` and search for a plan within a budget.
+
+    ``mem_budget``: a ratio of the unoptimized peak (<= 16) or bytes: the fastest
+    plan under it. ``lat_budget``: a ratio of the unoptimized latency: the lowest
+    peak within it. Neither: ``lat_budget=1.10``. ``device_profile``: None times
+    ops on the inputs' device ("measured"); a profile name ("rtx3090", "a100",
+    "h100", "h200", "cpu") plans with the roofline model of that device.
+    ``time_budget`` (seconds) bounds the search; ``max_states`` also bounds it
+    (makes a run reproducible regardless of speed). ``progress`` receives a
+    `Progress` a few times a second and once at the end. Ctrl-C stops the
+    search and returns the best plan so far (``interrupted=True``).
+
+    An infeasible budget is not an error: the result holds the best plan reached,
+    ``met=False`` and a message saying so.
+    """
+    if mem_budget is not None and lat_budget is not None:
+        raise ValueError("give mem_budget or lat_budget, not both")
+    if mode not in ("train", "infer"):
+        raise ValueError(f"mode must be 'train' or 'infer', not {mode!r}")
+    inputs = tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)
+    t0 = time.perf_counter()
+    program = trace(model, inputs, loss_fn=loss_fn, mode=mode)
+    cost, async_copies, label = _cost_model(device_profile, inputs)
+    space = Space(program, cost, async_copies=async_copies)
+    # The program as PyTorch runs it: its order, nothing applied.
+    g = program.graph
+    base_order = program.to_node_order(program.program_order())
+    tl = program.simulate()
+    before = State((), (), g, [], base_order, tl.peak,
+                   sum(space.costs.of(g, v) for v in base_order), [], 0)
+    root = space.evaluate((), (), g)
+    if mem_budget is not None:
+        limit, _ = _parse_mem(mem_budget, before.peak)
+        objective = Objective("mem", limit)
+    else:
+        objective = Objective("lat", (DEFAULT_LAT if lat_budget is None else float(lat_budget))
+                              * before.latency)
+
+    def report(best: State, states: int, elapsed: float, done: bool):
+        if progress is not None:
+            progress(Progress(elapsed, float(time_budget), states, best.peak, best.latency,
+                              before.peak, before.latency, done))
+
+    log = search(space, root, objective, time_budget=time_budget, seed=seed,
+                 max_states=max_states, progress=report)
+    if hasattr(cost, "save"):
+        cost.save()  # measured op times: the next optimize on this machine reuses them
+    builder = _Builder(model, space, before, label)
+    front = _pareto_add(list(log.pareto), before)
+    res = OptimizeResult(mode, None, None, None, builder.plan_of(before), None,
+                         [builder.plan_of(s) for s in front], False, "", label,
+                         time.perf_counter() - t0, log.states, log.interrupted, builder)
+    builder.select(res, mem_budget, lat_budget)
+    return res

@@ -1,0 +1,161 @@
+"""What `optimize` returns: plans on the (peak, latency) plane and the chosen one.
+
+A `Plan` is one searched program: its simulated device peak and step latency and
+what was applied to get there. `OptimizeResult` holds the unoptimized plan, the
+Pareto front of everything the search saw, and the plan chosen for the budget;
+`select` re-picks from the front for another budget without searching again
+(the notebook's slider), `module` builds the runnable `OptimizedModule` for the
+chosen plan and `timeline` gives the per-category memory curve for plots.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class Region:
+    """One enabled fission region."""
+    dim: str            # the D component's name, e.g. "x0[0]" (tensor x0, dim 0)
+    n: int              # parts
+    ops: int            # ops in the region
+    first: str          # name of the region's first op (where it starts in the model)
+
+
+@dataclass
+class Plan:
+    peak: int                       # simulated device peak, bytes
+    latency: float                  # simulated step latency, seconds
+    fission: list[Region] = field(default_factory=list)
+    remat: list[str] = field(default_factory=list)   # ops recomputed for later users
+    swaps: list[str] = field(default_factory=list)   # tensors stored to host and loaded back
+    state: Any = None               # the search state (graph + order), internal
+
+    @property
+    def applied(self) -> str:
+        """One line: what this plan does to the program."""
+        parts = []
+        if self.fission:
+            parts.append("fission " + ", ".join(f"{r.dim}/{r.n}" for r in self.fission))
+        if self.remat:
+            parts.append(f"remat {len(self.remat)}")
+        if self.swaps:
+            parts.append(f"swap {len(self.swaps)}")
+        return "; ".join(parts) or "re-order only"
+
+    def __repr__(self) -> str:
+        return (f"Plan(peak={self.peak / 2**20:.2f} MiB, latency={self.latency * 1e3:.3f} ms, "
+                f"{self.applied})")
+
+
+@dataclass
+class Timeline:
+    """Simulated memory at every step of a plan's order, for plots."""
+    by_category: dict[str, list[int]]   # device bytes per step, per category
+    host: list[int]                     # bytes parked in host memory (swaps) per step
+    peak: int
+    peak_step: int
+    regions: list[tuple[int, int, str]]  # fission regions: (first step, last step, label)
+
+    @property
+    def steps(self) -> int:
+        return len(self.host)
+
+    @property
+    def total(self) -> list[int]:
+        cats = list(self.by_category.values())
+        return [sum(c[i] for c in cats) for i in range(self.steps)]
+
+
+@dataclass
+class Progress:
+    """Passed to the progress callback while the search runs (and once at the end)."""
+    elapsed: float          # seconds since the search started
+    time_budget: float      # seconds allowed
+    states: int             # states explored (scheduled and simulated)
+    best_peak: int          # the best plan so far (under the budget's ordering)
+    best_latency: float
+    before_peak: int
+    before_latency: float
+    done: bool = False
+
+
+ProgressFn = Callable[[Progress], Any]
+
+
+@dataclass
+class OptimizeResult:
+    mode: str                       # "train" | "infer"
+    budget_kind: str | None         # "mem" | "lat" | None (no budget: lowest peak within 10% latency)
+    budget: float | None            # absolute: bytes for "mem", seconds for "lat"
+    budget_ratio: float | None      # the same budget as a ratio of the unoptimized plan
+    before: Plan                    # the program as captured, in PyTorch's order
+    plan: Plan                      # the chosen plan
+    pareto: list[Plan]              # non-dominated plans seen, by increasing peak
+    met: bool                       # the chosen plan meets the budget (in simulation)
+    message: str                    # one line for the user, says when the budget was missed
+    profile: str                    # cost model used for latency
+    seconds: float                  # search time
+    states: int                     # states explored
+    interrupted: bool = False       # stopped by KeyboardInterrupt: best so far returned
+    _builder: Any = None            # the search's program (internal): builds modules/timelines
+    _modules: dict = field(default_factory=dict)
+
+    # -- picking another plan -------------------------------------------------------
+    def select(self, mem_budget: float | int | None = None,
+               lat_budget: float | None = None) -> Plan:
+        """Choose from the recorded Pareto front for another budget (no new search).
+
+        ``mem_budget``: ratio of the unoptimized peak (<= 16) or bytes; picks the
+        fastest plan under it, or the lowest-peak plan when none fits.
+        ``lat_budget``: ratio of the unoptimized latency; picks the lowest-peak plan
+        within it, or the fastest plan when none fits. Updates ``plan``, ``met``,
+        ``message``, ``budget*`` and returns the plan.
+        """
+        return self._builder.select(self, mem_budget, lat_budget)
+
+    @property
+    def module(self) -> nn.Module:
+        """The runnable `OptimizedModule` of the chosen plan (built once per plan)."""
+        return self.module_for(self.plan)
+
+    def module_for(self, plan: Plan) -> nn.Module:
+        key = id(plan)
+        if key not in self._modules:
+            self._modules[key] = self._builder.module(plan)
+        return self._modules[key]
+
+    @property
+    def code(self) -> str:
+        """Generated PyTorch source of the chosen plan."""
+        return self.module.code
+
+    def timeline(self, plan: Plan | None = None) -> Timeline:
+        return self._builder.timeline(plan or self.plan)
+
+    @property
+    def mem_ratio(self) -> float:
+        return self.plan.peak / self.before.peak
+
+    @property
+    def lat_ratio(self) -> float:
+        return self.plan.latency / self.before.latency
+
+    def summary(self) -> list[dict]:
+        """Before/after rows (what the notebook's table and the README show)."""
+        rows = []
+        for label, p in (("before", self.before), ("after", self.plan)):
+            rows.append({"plan": label, "peak_MiB": round(p.peak / 2**20, 2),
+                         "latency_ms": round(p.latency * 1e3, 3), "applied": p.applied})
+        return rows
+
+    def __repr__(self) -> str:
+        return (f"OptimizeResult({self.message}; peak {self.before.peak / 2**20:.2f} -> "
+                f"{self.plan.peak / 2**20:.2f} MiB, latency x{self.lat_ratio:.3f}, "
+                f"{len(self.pareto)} Pareto plans, {self.states} states in {self.seconds:.1f} s)")
+
+    def _repr_html_(self) -> str:
+        from ..notebook.render import result_html
+        return result_html(self)

@@ -1,0 +1,209 @@
+"""The search space: a state is a fission plan plus batches of remat/swap rewrites.
+
+A state's graph is the captured graph with the plan's F-Tree regions split
+(`apply_fission`), then each batch of rewrites applied in turn. Rewrites name ops
+by their (stable) node names, so a batch can be replayed on a graph with another
+fission plan; a rewrite that no longer applies there (its op is now inside a
+split region, a user vanished) is dropped, as "rules never cross an enabled
+region" requires. Every state is scheduled (incrementally from its parent when
+only rewrites changed, Algorithm 2; in full when the fission plan changed), its
+Stores and Loads placed to hide transfers, and simulated for memory and latency.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from ..analysis import DGraph, apply_fission, build_ftree
+from ..ir.digest import graph_digest
+from ..ir.graph import Graph, Ref, iter_refs
+from ..program import Program
+from ..rules.remat import can_rematerialize, rematerialize_all, written_in_place
+from ..rules.swap import swap_all
+from ..schedule import reschedule, schedule
+from ..simulate.latency import simulate_latency
+from ..simulate.memory import simulate_memory
+from .transfers import place_transfers, transfers_of
+
+
+# A batch touching more ops than this spans most of the schedule: rescheduling
+# it incrementally costs more than the full (narrow-waist partitioned) DP.
+INCREMENTAL_MAX = 12
+
+
+class Swap(NamedTuple):
+    producer: str               # op whose output is stored to host
+    out: int
+    users: frozenset[str]       # ops that read the loaded copy
+
+
+class Remat(NamedTuple):
+    op: str                     # op recomputed
+    users: frozenset[str]       # ops that read the recomputed copy
+
+
+class Batch(NamedTuple):
+    kind: str                   # "swap" | "remat"
+    specs: frozenset            # of Swap or Remat
+
+
+@dataclass(eq=False)
+class State:
+    plan: tuple                 # ((candidate id, n), ...) enabled fission regions
+    batches: tuple              # Batch, ... applied in order
+    graph: Graph
+    sched_names: list[str]      # the memory-aware schedule (op names) before placing transfers
+    order: list[int]            # node ids: the executed order (transfers placed)
+    peak: int
+    latency: float
+    hot: list[tuple[int, Ref]]  # (bytes, tensor) of swappable/recomputable activations live at the peak
+    peak_step: int
+    digest: bytes = b""
+    depth: int = 0
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def key(self) -> tuple:
+        return (self.plan, self.batches)
+
+
+class _CostTable:
+    """Op seconds cached by (name, target, shapes): unchanged ops keep their names
+    across rewrites, so most of a child's ops are already known."""
+
+    def __init__(self, cost):
+        self.cost = cost
+        self.table: dict[tuple, float] = {}
+
+    def key(self, g: Graph, nid: int) -> tuple:
+        n = g.nodes[nid]
+        ins = tuple(g.tensor(r).shape for r in iter_refs((n.args, n.kwargs)))
+        outs = tuple(t.shape if t is not None else None for t in n.outputs)
+        return (n.name, n.target, ins, outs)
+
+    def of(self, g: Graph, nid: int) -> float:
+        k = self.key(g, nid)
+        v = self.table.get(k)
+        if v is None:
+            v = self.table[k] = float(self.cost.op_cost(g, nid))
+        return v
+
+    def op_cost(self, g: Graph, node) -> float:      # CostModel protocol, for the simulator
+        return self.of(g, node if isinstance(node, int) else node.id)
+
+    def transfer_cost(self, nbytes: int) -> float:
+        return self.cost.transfer_cost(nbytes)
+
+
+class Space:
+    """Builds and evaluates states of one captured program."""
+
+    def __init__(self, program: Program, cost, *, async_copies: bool, levels: int = 4):
+        self.program = program
+        self.base = program.graph
+        self.costs = _CostTable(cost)
+        self.async_copies = async_copies
+        self.dg = DGraph(self.base)
+        self.cands = build_ftree(self.dg, program.hotspots(), levels=levels)
+        self._fission: dict[tuple, Graph] = {}
+        self.evaluated = 0
+
+    # -- graphs -----------------------------------------------------------------
+    def fission_graph(self, plan: tuple) -> Graph:
+        g = self._fission.get(plan)
+        if g is None:
+            g = self.base if not plan else apply_fission(
+                self.dg, [self.cands[c].ftrans(n) for c, n in plan])
+            if len(self._fission) > 16:
+                self._fission.pop(next(iter(self._fission)))
+            self._fission[plan] = g
+        return g
+
+    def apply(self, g: Graph, batch: Batch) -> tuple[Graph, Batch]:
+        """``batch`` on ``g``, keeping the specs that still apply there."""
+        ids = {n.name: n.id for n in g.nodes}
+        rd = _readers(g)
+        written = written_in_place(g)
+        kept, args = [], []
+        for s in sorted(batch.specs):
+            if batch.kind == "swap":
+                p = ids.get(s.producer)
+                if p is None or g.nodes[p].kind != "op" or g.nodes[p].region \
+                        or s.out >= len(g.nodes[p].outputs) or g.nodes[p].outputs[s.out] is None \
+                        or g.nodes[p].outputs[s.out].alias is not None:
+                    continue
+                a = Ref(p, s.out)
+                if a in written:
+                    continue
+                users = {ids.get(u) for u in s.users}
+                if None in users or not users <= rd.get(a, set()):
+                    continue
+                kept.append(s)
+                args.append((a, users))
+            else:
+                a = ids.get(s.op)
+                if a is None or can_rematerialize(g, a, written) is not None:
+                    continue
+                outs = {Ref(a, i) for i, t in enumerate(g.nodes[a].outputs) if t is not None}
+                reach = set().union(*(rd.get(g.storage_of(r), set()) for r in outs))
+                users = {ids.get(u) for u in s.users}
+                if None in users or not users <= reach:
+                    continue
+                kept.append(s)
+                args.append((a, users))
+        if not args:
+            return g, Batch(batch.kind, frozenset())
+        g2 = swap_all(g, args) if batch.kind == "swap" else rematerialize_all(g, args)
+        return g2, Batch(batch.kind, frozenset(kept))
+
+    def build(self, plan: tuple, batches: tuple) -> tuple[Graph, tuple]:
+        g = self.fission_graph(plan)
+        kept = []
+        for b in batches:
+            g, b2 = self.apply(g, b)
+            if b2.specs:
+                kept.append(b2)
+        return g, tuple(kept)
+
+    # -- evaluation ---------------------------------------------------------------
+    def evaluate(self, plan: tuple, batches: tuple, graph: Graph, *,
+                 parent: State | None = None, touched: set[str] | None = None,
+                 digest: bytes | None = None) -> State:
+        mg, op_ids, refs = graph.memgraph()
+        if parent is not None and touched and len(touched) <= INCREMENTAL_MAX:
+            s = reschedule(mg, parent.sched_names, touched)
+        else:
+            s = schedule(mg)
+        nodes = [op_ids[i] for i in s.order]
+        dur = lambda v: self.costs.of(graph, v)  # noqa: E731
+        if self.async_copies:
+            nodes = place_transfers(graph, nodes, dur, self.costs.transfer_cost)
+            compute, xs = transfers_of(graph, nodes)
+            latency = simulate_latency(graph, compute, self.costs, transfers=xs,
+                                       check=False).total_s
+        else:
+            latency = sum(dur(v) for v in nodes)
+        index = {nid: i for i, nid in enumerate(op_ids)}
+        tl = simulate_memory(mg, [index[v] for v in nodes])
+        hot = []
+        for i in tl.hotspots:
+            st = mg.storages[i]
+            r = refs[i]
+            if st.category == "activation" and st.producer >= 0 and st.size > 0 \
+                    and not graph.nodes[r.node].region:
+                hot.append((st.size, r))
+        hot.sort(key=lambda t: (-t[0], t[1].node, t[1].out))
+        self.evaluated += 1
+        return State(plan, batches, graph, s.names, nodes, tl.peak, latency, hot,
+                     tl.peak_steps[0] if tl.peak_steps else 0,
+                     digest if digest is not None else graph_digest(graph),
+                     0 if parent is None else parent.depth + 1)
+
+
+def _readers(g: Graph) -> dict[Ref, set[int]]:
+    """Base tensor -> ops reading it (directly or through a view)."""
+    out: dict[Ref, set[int]] = {}
+    for n in g.ops:
+        for r in iter_refs((n.args, n.kwargs)):
+            out.setdefault(g.storage_of(r), set()).add(n.id)
+    return out

@@ -1,0 +1,162 @@
+"""Swaps in a schedule: where Store and Load go, and what they cost.
+
+A swap is two graph ops (see `rules.swap`): the Store (``copy_`` of the tensor
+into its host buffer) and the Load (``_to_copy`` back). On a GPU they run on a
+copy stream: the Store starts when the producer is done, and the tensor's memory
+can only be released once it is on the host; the Load must finish before the
+first op that reads the loaded copy. So the Store's place in the order is the
+point where compute waits for it to finish (its memory is freed there), and the
+Load's place is where it is issued (its memory is taken there). The memory-aware
+scheduler puts a Store as early and a Load as late as memory allows, which
+exposes every transfer; `place_transfers` then moves each Store later and each
+Load earlier just far enough that the compute ops in between cover the transfer
+time (the seed's "Store as early, Load as late as still hides the transfer").
+
+Where copies are synchronous (a CPU "device" copying into host RAM), they are
+ordinary ops that cost their copy time on the one stream; nothing moves.
+"""
+from __future__ import annotations
+
+import bisect
+from typing import Callable, Sequence
+
+from ..ir.graph import Graph
+from ..simulate.cost import is_free
+from ..simulate.latency import Transfer
+
+
+def is_store(g: Graph, nid: int) -> bool:
+    n = g.nodes[nid]
+    return n.target == "aten.copy_.default" and n.category == "host"
+
+
+def is_load(g: Graph, nid: int) -> bool:
+    n = g.nodes[nid]
+    return n.target == "aten._to_copy.default" and bool(n.args) \
+        and hasattr(n.args[0], "node") and is_store(g, n.args[0].node)
+
+
+def swap_ops(g: Graph) -> tuple[list[int], list[int]]:
+    """(stores, loads) node ids."""
+    stores = [n.id for n in g.ops if is_store(g, n.id)]
+    loads = [n.id for n in g.ops if is_load(g, n.id)]
+    return stores, loads
+
+
+def place_transfers(g: Graph, order: Sequence[int], dur: Callable[[int], float],
+                    xfer: Callable[[int], float]) -> list[int]:
+    """``order`` (node ids) with every Store and Load re-placed so that the copy
+    stream hides them where it can (see module doc).
+
+    The compute ops keep their order. With compute times from ``dur`` (seconds per
+    op) and the copy stream running one transfer at a time (``xfer(nbytes)``
+    seconds): Stores are issued as soon as their producer is done, in that order,
+    and placed before the first compute op that starts after the copy is done.
+    Loads are planned backwards from their first reader, each finishing before
+    the next one starts and never overlapping a Store, and placed after the last
+    compute op that ends before the copy must start.
+    """
+    stores, loads = swap_ops(g)
+    if not stores:
+        return list(order)
+    moving = set(stores) | set(loads)
+    base = [v for v in order if v not in moving]
+    k_of = {v: k for k, v in enumerate(base)}
+    t = [0.0]
+    for v in base:
+        t.append(t[-1] + dur(v))        # t[k]: start of base[k]; t[k + 1]: its end
+    slot: dict[int, int] = {}           # transfer -> index of the compute op it precedes
+    busy: list[tuple[float, float]] = []
+    copy_free = 0.0
+    first_load = {}
+    for ld in loads:
+        s = g.nodes[ld].args[0].node
+        first_load[s] = min(first_load.get(s, len(base)), min(
+            (k_of[u] for u in g.succs(ld) if u in k_of), default=len(base)))
+    for s in sorted(stores, key=lambda v: k_of.get(g.storage_of(g.nodes[v].args[1]).node, -1)):
+        src = g.storage_of(g.nodes[s].args[1]).node
+        ready = t[k_of[src] + 1] if src in k_of else 0.0
+        st = max(copy_free, ready)
+        en = st + xfer(g.tensor(g.nodes[s].args[1]).nbytes)
+        copy_free = en
+        busy.append((st, en))
+        k = bisect.bisect_left(t, en)            # first op starting at or after en
+        lo = k_of[src] + 1 if src in k_of else 0
+        slot[s] = max(lo, min(k, first_load.get(s, len(base)), len(base)))
+    need = {}
+    for ld in loads:
+        readers = [k_of[u] for u in g.succs(ld) if u in k_of]
+        need[ld] = min(readers) if readers else len(base)
+    back = float("inf")
+    for ld in sorted(loads, key=lambda v: -need[v]):
+        end = min(t[need[ld]], back)
+        x = xfer(g.nodes[ld].outputs[0].nbytes)
+        moved = True
+        while moved:                     # slide below any Store it would overlap
+            moved = False
+            for a, b in busy:
+                if a < end and end - x < b:
+                    end, moved = a, True
+        st = end - x
+        back = st
+        k = bisect.bisect_right(t, st) - 1       # last op ending by st is base[k-1]
+        store = g.nodes[ld].args[0].node
+        slot[ld] = max(min(k, need[ld]), slot.get(store, 0), 0)
+    out: list[int] = []
+    pending: dict[int, list[int]] = {}
+    for v in stores + loads:            # stores first where a pair shares a slot
+        pending.setdefault(slot[v], []).append(v)
+    for k, v in enumerate(base):
+        out.extend(pending.get(k, ()))
+        out.append(v)
+    out.extend(pending.get(len(base), ()))
+    return out
+
+
+def transfers_of(g: Graph, order: Sequence[int]) -> tuple[list[int], list[Transfer]]:
+    """Split a placed order into the compute-stream order and the copy-stream
+    transfers (in the order the copy stream runs them)."""
+    stores, loads = swap_ops(g)
+    moving = set(stores) | set(loads)
+    compute = [v for v in order if v not in moving]
+    if not moving:
+        return compute, []
+    pos = {v: i for i, v in enumerate(order)}
+
+    def next_compute(i):
+        for v in order[i + 1:]:
+            if v not in moving:
+                return v
+        return None
+
+    def prev_compute(i):
+        for v in reversed(order[:i]):
+            if v not in moving:
+                return v
+        return None
+
+    xs = []
+    for s in stores:
+        src = g.storage_of(g.nodes[s].args[1])
+        after = src.node if g.nodes[src.node].kind == "op" else None
+        xs.append((pos[after] if after is not None else -1,
+                   Transfer("store", g.tensor(src).nbytes, after, next_compute(pos[s]))))
+    readers: dict[int, list[int]] = {}
+    for n in g.ops:
+        if is_free(n):
+            continue  # views of the loaded copy do not touch its data
+        for r in _refs(n):
+            base = g.storage_of(r).node
+            if base in loads:
+                readers.setdefault(base, []).append(n.id)
+    for ld in loads:
+        first = min(readers.get(ld, [None]), key=lambda v: pos.get(v, 1 << 60) if v is not None else 1 << 60)
+        after = prev_compute(pos[ld])
+        xs.append((pos[ld], Transfer("load", g.nodes[ld].outputs[0].nbytes, after, first)))
+    xs.sort(key=lambda t: t[0])
+    return compute, [t for _, t in xs]
+
+
+def _refs(n):
+    from ..ir.graph import iter_refs
+    return iter_refs((n.args, n.kwargs))
