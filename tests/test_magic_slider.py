@@ -72,3 +72,15 @@ def test_slider_moves_plan_and_rebinds(kernel_run):
     slider.slider.value = slider.slider.max      # back up: the fastest plan again
     assert r.plan.latency == min(p.latency for p in r.pareto)
     assert ip.user_ns["model_opt"] is r.module_for(r.plan)
+
+
+def test_magis_budget_moves_the_slider(kernel_run):
+    ip, out, magics = kernel_run
+    slider = magics.sliders[-1]
+    r = ip.user_ns["model_opt_result"]
+    redraws = slider.redraws
+    mid = round((slider.slider.min + slider.slider.max) / 2, 2)
+    res = ip.run_cell(f"%magis_budget {mid} -q")
+    assert res.error_in_exec is None
+    assert abs(slider.slider.value - mid) < 1e-9 and f"x{mid:.2f}" in slider.status.value
+    assert slider.redraws == redraws + 1 and abs(r.budget_ratio - mid) < 1e-9

@@ -56,9 +56,9 @@ def draw_timeline(ax, tl: Timeline, title: str, budget: int | None, ylim: tuple 
         ax.axhline(budget / MiB, color="black", linestyle="--", linewidth=1,
                    label=f"budget {budget / MiB:.1f} MiB")
     ax.plot([tl.peak_step], [tl.peak / MiB], marker="v", color="crimson", markersize=8,
-            linestyle="none", label=f"peak {tl.peak / MiB:.2f} MiB")
-    ax.annotate(f"{tl.peak / MiB:.1f}", (tl.peak_step, tl.peak / MiB), textcoords="offset points",
-                xytext=(4, 4), fontsize=8, color="crimson")
+            linestyle="none", label="peak")
+    ax.annotate(f"peak {tl.peak / MiB:.2f} MiB", (tl.peak_step, tl.peak / MiB),
+                textcoords="offset points", xytext=(4, 4), fontsize=8, color="crimson")
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("step (op in schedule order)")
     ax.set_xlim(0, max(tl.steps, 1))
@@ -82,11 +82,15 @@ def timeline_figure(result: OptimizeResult, plan: Plan | None = None, before: bo
     if budget:
         top = max(top, budget / MiB * 1.08)
     host = max((max(t.host, default=0) for t, _ in panels), default=0) / MiB
-    fig, axes = _figure(11 if before else 7, 3.6, len(panels))
+    fig, axes = _figure(12 if before else 8, 3.6, len(panels))
     for ax, (tl, title) in zip(axes, panels):
         draw_timeline(ax, tl, title, budget, (-host * 1.15, top))
     axes[0].set_ylabel("device memory, MiB")
-    axes[-1].legend(loc="upper right", fontsize=7, framealpha=0.85)
+    legend: dict = {}
+    for ax in axes:   # one legend for both panels, beside them: it hides no data
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(lab, h)
+    fig.legend(list(legend.values()), list(legend), loc="outside right upper", fontsize=7)
     return fig
 
 

@@ -40,8 +40,10 @@ class BudgetSlider:
         self.status = w.HTML(value=_status(session))
         self.image = w.Image(format="png", layout=w.Layout(max_width="760px"))
         self.redraws = 0
+        self._syncing = False
         self._draw()
         self.slider.observe(self._moved, names="value")
+        session.listeners.append(self._reselected)
         self.box = w.VBox([self.slider, self.status] + ([self.image] if plot else []))
 
     def _draw(self) -> None:
@@ -54,11 +56,22 @@ class BudgetSlider:
         self.redraws += 1
 
     def _moved(self, change) -> None:
+        if self._syncing:
+            return
         try:
-            self.session.reselect(mem_budget=float(change["new"]))
+            self.session.reselect(mem_budget=float(change["new"]))   # calls _reselected
         except Exception as e:  # shown in the widget: an observer's exception is lost
             self.status.value = f"<b style='color:#c44e52'>error:</b> {escape(str(e))}"
-            return
+
+    def _reselected(self, plan) -> None:
+        """After any re-selection (this slider or %magis_budget): show the bound plan."""
+        r = self.session.result
+        if r.budget_kind == "mem" and r.budget_ratio is not None:
+            self._syncing = True    # move the knob without selecting again
+            try:
+                self.slider.value = min(max(r.budget_ratio, self.slider.min), self.slider.max)
+            finally:
+                self._syncing = False
         self.status.value = _status(self.session)
         self._draw()
 
