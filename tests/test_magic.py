@@ -177,3 +177,18 @@ def test_cell_errors_show_the_cell(ip):
     assert "b = [1][2]" in tb and "line 3" in tb        # %%magis is line 1 of the cell
     res, out = magis(ip, "-q", MODEL + "\nz = !echo hi\n")  # IPython syntax runs
     assert res.error_in_exec is None and ip.user_ns["z"] == ["hi"]
+
+
+def test_explicit_flags_and_infer_mode(ip):
+    body = MODEL + "\nbatch = (x,)\nother_x = torch.randint(0, 64, (8, 32))\n"
+    res, out = magis(ip, "-q --model model --inputs batch --mode infer -o fwd", body)
+    assert res.error_in_exec is None, out.stdout
+    r, fwd = ip.user_ns["fwd_result"], ip.user_ns["fwd"]
+    assert r.mode == "infer"
+    assert torch.allclose(fwd(ip.user_ns["x"]), ip.user_ns["model"](ip.user_ns["x"]),
+                          rtol=1e-5, atol=1e-6)
+    # a loss given by name; inputs by name, target last
+    body = MODEL.replace("def loss_fn", "def my_loss") + "\nz = torch.ones(3)\n"
+    res, out = magis(ip, "-q --loss my_loss --inputs x,y", body)
+    assert res.error_in_exec is None, out.stdout
+    assert ip.user_ns["model_opt_result"].mode == "train"
