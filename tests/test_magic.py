@@ -175,8 +175,15 @@ def test_cell_errors_show_the_cell(ip):
     assert ip.user_ns["a"] == 1 and "b" not in ip.user_ns
     tb = out.stdout + out.stderr
     assert "b = [1][2]" in tb and "line 3" in tb        # %%magis is line 1 of the cell
-    res, out = magis(ip, "-q", MODEL + "\nz = !echo hi\n")  # IPython syntax runs
+    # IPython syntax runs, the body runs once, and the cell's events fire once
+    seen = []
+    ip.events.register("post_run_cell", seen.append)
+    try:
+        res, out = magis(ip, "-q", "runs = []\n" + MODEL + "\nruns.append(1)\nz = !echo hi\n")
+    finally:
+        ip.events.unregister("post_run_cell", seen.append)
     assert res.error_in_exec is None and ip.user_ns["z"] == ["hi"]
+    assert ip.user_ns["runs"] == [1] and len(seen) == 1
 
 
 def test_explicit_flags_and_infer_mode(ip):
