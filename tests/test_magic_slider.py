@@ -56,7 +56,7 @@ def test_progress_widget_reached_done(kernel_run):
 
 def test_slider_moves_plan_and_rebinds(kernel_run):
     ip, out, magics = kernel_run
-    slider = magics.sliders[-1]
+    slider = magics.sliders["model_opt"]
     r = ip.user_ns["model_opt_result"]
     assert slider.session.result is r and slider.slider.min <= r.mem_ratio <= slider.slider.max
     first_png, first_status = bytes(slider.image.value), slider.status.value
@@ -76,7 +76,7 @@ def test_slider_moves_plan_and_rebinds(kernel_run):
 
 def test_magis_budget_moves_the_slider(kernel_run):
     ip, out, magics = kernel_run
-    slider = magics.sliders[-1]
+    slider = magics.sliders["model_opt"]
     r = ip.user_ns["model_opt_result"]
     redraws = slider.redraws
     mid = round((slider.slider.min + slider.slider.max) / 2, 2)

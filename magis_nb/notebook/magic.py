@@ -17,7 +17,7 @@ class MagisMagics(Magics):
         super().__init__(shell)
         self.sessions: dict[str, Session] = {}   # by module variable name
         self.last: Session | None = None
-        self.sliders: list = []
+        self.sliders: dict = {}   # by module name: a re-run replaces (and frees) the old one
 
     @magic_arguments()
     @argument("--model", metavar="NAME", help="the nn.Module to optimize (default: the one "
@@ -112,7 +112,7 @@ class MagisMagics(Magics):
         if in_kernel(self.shell) and len(r.pareto) > 1:
             from .slider import BudgetSlider
             slider = BudgetSlider(session, plot=plot)
-            self.sliders.append(slider)
+            self.sliders[session.name] = slider
             display(slider)
 
     @magic_arguments()
