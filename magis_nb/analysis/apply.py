@@ -129,6 +129,8 @@ def apply_fission(dg: DGraph, regions: Iterable[FTrans]) -> Graph:
         _expand_region(b, dg, f, i, plans[i], joined)
 
     def resolve(r: Ref, _k=None) -> Ref:
+        # an _Ext never equals a Ref (dataclass eq checks the class): look it up as one
+        r = Ref(r.node, r.out)
         if r in joined:
             return joined[r]
         return Ref(proto[r.node], r.out)

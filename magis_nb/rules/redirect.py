@@ -30,6 +30,15 @@ def readers(g: Graph, a: Ref) -> set[int]:
     return {n.id for n in g.ops if any(g.storage_of(r) == a for r in iter_refs((n.args, n.kwargs)))}
 
 
+def reader_map(g: Graph) -> dict[Ref, set[int]]:
+    """`readers` of every base tensor at once (one pass over the graph)."""
+    out: dict[Ref, set[int]] = {}
+    for n in g.ops:
+        for r in iter_refs((n.args, n.kwargs)):
+            out.setdefault(g.storage_of(r), set()).add(n.id)
+    return out
+
+
 class Redirect:
     """Inside a Rewriter rule: copy node ``n`` so that its reads of the tensors in
     ``bases`` (or of views of them) go to their replacements (or to the same views

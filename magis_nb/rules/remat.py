@@ -18,15 +18,20 @@ import torch
 
 from ..ir.graph import Graph, Node, Ref, iter_refs, map_refs
 from ..ir.passes import Rewriter, prune_dead_views, writes_into_input
-from .redirect import Redirect, readers
+from .redirect import Redirect, reader_map
 
 
 def written_in_place(g: Graph) -> dict[Ref, str]:
     """Base tensors that some op writes into -> that op's name."""
     out: dict[Ref, str] = {}
     for m in g.ops:
-        if writes_into_input(m):
-            for r in iter_refs((m.args, m.kwargs)):
+        if not writes_into_input(m):
+            continue
+        for i, arg in enumerate(m.op._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            val = m.args[i] if i < len(m.args) else m.kwargs.get(arg.name)
+            for r in iter_refs(val):
                 out.setdefault(g.storage_of(r), m.name)
     return out
 
@@ -64,13 +69,14 @@ def rematerialize_all(g: Graph, specs: Iterable[tuple[int, Iterable[int]]]) -> G
         raise ValueError("an op is rematerialized twice in one batch")
     outs: list[list[Ref]] = []
     written = written_in_place(g)
+    rd = reader_map(g)
     for a, users in specs:
         why = can_rematerialize(g, a, written)
         if why:
             raise ValueError(f"cannot rematerialize: {why}")
         src = g.nodes[a]
         outs_of_a = [Ref(a, i) for i, t in enumerate(src.outputs) if t is not None]
-        if not users or not users <= set().union(*(readers(g, r) for r in outs_of_a)):
+        if not users or not users <= set().union(*(rd.get(r, set()) for r in outs_of_a)):
             raise ValueError(f"users must read {src.name}'s outputs (directly or through views)")
         outs.append(outs_of_a)
     by_first: dict[int, list[int]] = {}

@@ -23,7 +23,7 @@ import torch
 
 from ..ir.graph import Graph, Node, Ref, TensorInfo, iter_refs
 from ..ir.passes import Rewriter, prune_dead_views
-from .redirect import Redirect, readers
+from .redirect import Redirect, reader_map
 from .remat import written_in_place
 
 aten = torch.ops.aten
@@ -43,6 +43,7 @@ def swap_all(g: Graph, specs: Iterable[tuple[Ref, Iterable[int]]]) -> Graph:
     if len({a for a, _ in specs}) != len(specs):
         raise ValueError("a tensor is swapped twice in one batch")
     written = written_in_place(g)
+    rd = reader_map(g)
     for a, users in specs:
         t = g.tensor(a)
         src = g.nodes[a.node]
@@ -52,7 +53,7 @@ def swap_all(g: Graph, specs: Iterable[tuple[Ref, Iterable[int]]]) -> Graph:
         if a in written:
             # the Store would copy it before the in-place write fills it
             raise ValueError(f"{src.name}'s output is written in place by {written[a]}")
-        if not users or not users <= readers(g, a):
+        if not users or not users <= rd.get(a, set()):
             raise ValueError(f"users must read {src.name}'s output {a.out}")
     # numbered past the largest pool index: an unswap may have left a gap
     n_pools = 1 + max((n.role[1] for n in g.inputs if n.role and n.role[0] == "pool"), default=-1)

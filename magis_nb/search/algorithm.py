@@ -25,8 +25,10 @@ from typing import Callable
 from ..analysis.ftree import mutations
 from ..ir.digest import graph_digest
 from ..ir.graph import iter_refs
+from ..rules.redirect import reader_map
 from ..rules.remat import can_rematerialize, written_in_place
-from .space import Batch, Remat, Space, State, Swap, _readers
+from .transfers import is_load, is_store
+from .space import Batch, Remat, Space, State, Swap
 
 RELAX = 1.1
 SINGLE = 4                 # single-tensor rewrites proposed per state and rule
@@ -81,7 +83,7 @@ def _ranked(space: Space, st: State) -> tuple[list[Swap], list[Remat]]:
     """
     g = st.graph
     pos = {v: i for i, v in enumerate(st.order)}
-    rd = _readers(g)
+    rd = reader_map(g)
     costs = space.costs
     prefix = [0.0]
     for v in st.order:
@@ -91,6 +93,8 @@ def _ranked(space: Space, st: State) -> tuple[list[Swap], list[Remat]]:
     swaps, remats = [], []
     for size, r in st.hot:
         readers = rd.get(r, set())
+        if any(is_store(g, u) for u in readers):
+            continue  # swapped already; its users read the loaded copy
         users = {u for u in readers if pos[u] > st.peak_step}
         if not users:
             continue
@@ -99,8 +103,8 @@ def _ranked(space: Space, st: State) -> tuple[list[Swap], list[Remat]]:
         first_after = min(pos[u] for u in users)
         names = frozenset(g.nodes[u].name for u in users)
         src = g.nodes[r.node].name
-        if r in written:
-            continue
+        if r in written or is_load(g, r.node):
+            continue  # a loaded copy is not swapped again: its Load is moved instead
         xfer = 2 * costs.transfer_cost(size)
         gap = prefix[first_after] - prefix[last_before + 1]
         exposed = max(0.0, xfer - gap) if space.async_copies else xfer
@@ -114,7 +118,7 @@ def _ranked(space: Space, st: State) -> tuple[list[Swap], list[Remat]]:
     return [t[-1] for t in sorted(swaps)], [t[-1] for t in sorted(remats)]
 
 
-def proposals(space: Space, st: State, rng: random.Random) -> list[tuple[str, tuple, tuple, set]]:
+def proposals(space: Space, st: State) -> list[tuple[str, tuple, tuple, set]]:
     """Children of ``st`` as (rule, plan, batches, touched op names)."""
     swaps, remats = _ranked(space, st)
     out = []
@@ -128,12 +132,15 @@ def proposals(space: Space, st: State, rng: random.Random) -> list[tuple[str, tu
             touched.add(s.producer if kind == "swap" else s.op)
         out.append((rule, st.plan, st.batches + (Batch(kind, frozenset(specs)),), touched))
 
+    # Big steps first: when the search is cut short (time, max_states) the
+    # children it did evaluate are the ones that move the peak the most.
+    for k in sorted(BATCHES, reverse=True):
+        for kind, cand in (("swap", swaps), ("remat", remats)):
+            if len(cand) >= k:
+                add(f"{kind}x{k}", kind, cand[:k])
     for kind, cand in (("swap", swaps), ("remat", remats)):
         for s in cand[:SINGLE]:
             add(kind, kind, [s])
-        for k in BATCHES:
-            if len(cand) >= k:
-                add(f"{kind}x{k}", kind, cand[:k])
     # F-Tree rules on the plan; rewrites are replayed on the new fission graph.
     plan = dict(st.plan)
     enables = []
@@ -151,7 +158,6 @@ def proposals(space: Space, st: State, rng: random.Random) -> list[tuple[str, tu
         out.append(("enable", key, st.batches, set()))
     for i in range(max(0, len(st.batches) - 3), len(st.batches)):
         out.append((f"undo-{st.batches[i].kind}", st.plan, st.batches[:i] + st.batches[i + 1:], set()))
-    rng.shuffle(out)   # ties in the queue break by this (seeded) order
     return out
 
 
@@ -165,7 +171,8 @@ def search(space: Space, root: State, objective: Objective, *, time_budget: floa
     seen = {root.digest}
     keys = {root.key}
     counter = 0
-    queue = [(objective.key(root), counter, root)]
+    # entries: (key, seeded tie-break, insertion count, state)
+    queue = [(objective.key(root), rng.random(), counter, root)]
     last = 0.0
 
     def tick(done=False):
@@ -179,8 +186,8 @@ def search(space: Space, root: State, objective: Objective, *, time_budget: floa
         while queue:
             if time.perf_counter() - t0 > time_budget or (max_states and log.states >= max_states):
                 break
-            _, _, st = heapq.heappop(queue)
-            for rule, plan, batches, touched in proposals(space, st, rng):
+            st = heapq.heappop(queue)[-1]
+            for rule, plan, batches, touched in proposals(space, st):
                 if time.perf_counter() - t0 > time_budget or (max_states and log.states >= max_states):
                     break
                 if (plan, batches) in keys:
@@ -207,7 +214,7 @@ def search(space: Space, root: State, objective: Objective, *, time_budget: floa
                     log.best = child
                 if objective.better(child, log.best, RELAX):
                     counter += 1
-                    heapq.heappush(queue, (objective.key(child), counter, child))
+                    heapq.heappush(queue, (objective.key(child), rng.random(), counter, child))
                     if len(queue) > QUEUE_CAP:
                         queue = heapq.nsmallest(QUEUE_CAP // 2, queue)
                         heapq.heapify(queue)

@@ -166,8 +166,8 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
         raise ValueError(f"mode must be 'train' or 'infer', not {mode!r}")
     inputs = tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)
     t0 = time.perf_counter()
+    cost, async_copies, label = _cost_model(device_profile, inputs)   # bad names fail fast
     program = trace(model, inputs, loss_fn=loss_fn, mode=mode)
-    cost, async_copies, label = _cost_model(device_profile, inputs)
     space = Space(program, cost, async_copies=async_copies)
     # The program as PyTorch runs it: its order, nothing applied.
     g = program.graph

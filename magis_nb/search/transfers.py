@@ -44,7 +44,7 @@ def swap_ops(g: Graph) -> tuple[list[int], list[int]]:
 
 
 def place_transfers(g: Graph, order: Sequence[int], dur: Callable[[int], float],
-                    xfer: Callable[[int], float]) -> list[int]:
+                    xfer: Callable[[int], float], live: Sequence[int] | None = None) -> list[int]:
     """``order`` (node ids) with every Store and Load re-placed so that the copy
     stream hides them where it can (see module doc).
 
@@ -55,6 +55,12 @@ def place_transfers(g: Graph, order: Sequence[int], dur: Callable[[int], float],
     Loads are planned backwards from their first reader, each finishing before
     the next one starts and never overlapping a Store, and placed after the last
     compute op that ends before the copy must start.
+
+    ``live``: bytes live at each compute op of ``order`` (the memory-aware
+    schedule's timeline). When given, no move may raise the live bytes above
+    that schedule's peak: a Store stays where its tensor may die, a Load where
+    its copy fits, even if the transfer is then exposed (the latency simulation
+    charges it). Hiding a copy never costs memory the scheduler had saved.
     """
     stores, loads = swap_ops(g)
     if not stores:
@@ -62,6 +68,12 @@ def place_transfers(g: Graph, order: Sequence[int], dur: Callable[[int], float],
     moving = set(stores) | set(loads)
     base = [v for v in order if v not in moving]
     k_of = {v: k for k, v in enumerate(base)}
+    room = None
+    if live is not None:
+        room = [0] * len(base)
+        cap = max(live) if live else 0
+        for k, v in enumerate(base):
+            room[k] = cap - live[k]
     t = [0.0]
     for v in base:
         t.append(t[-1] + dur(v))        # t[k]: start of base[k]; t[k + 1]: its end
@@ -82,7 +94,18 @@ def place_transfers(g: Graph, order: Sequence[int], dur: Callable[[int], float],
         busy.append((st, en))
         k = bisect.bisect_left(t, en)            # first op starting at or after en
         lo = k_of[src] + 1 if src in k_of else 0
-        slot[s] = max(lo, min(k, first_load.get(s, len(base)), len(base)))
+        k = max(lo, min(k, first_load.get(s, len(base)), len(base)))
+        if room is not None:
+            # the tensor now lives past its last compute reader until the Store
+            nb = g.tensor(g.nodes[s].args[1]).nbytes
+            last = max([k_of[u] for u in g.succs(src) if u in k_of and k_of[u] < k] + [lo - 1])
+            j = last + 1
+            while j < k and room[j] >= nb:
+                j += 1
+            k = max(lo, j)
+            for i in range(last + 1, k):
+                room[i] -= nb
+        slot[s] = k
     need = {}
     for ld in loads:
         readers = [k_of[u] for u in g.succs(ld) if u in k_of]
@@ -98,10 +121,19 @@ def place_transfers(g: Graph, order: Sequence[int], dur: Callable[[int], float],
                 if a < end and end - x < b:
                     end, moved = a, True
         st = end - x
-        back = st
         k = bisect.bisect_right(t, st) - 1       # last op ending by st is base[k-1]
         store = g.nodes[ld].args[0].node
-        slot[ld] = max(min(k, need[ld]), slot.get(store, 0), 0)
+        k = max(min(k, need[ld]), slot.get(store, 0), 0)
+        if room is not None:
+            nb = g.nodes[ld].outputs[0].nbytes
+            j = need[ld]
+            while j - 1 >= k and room[j - 1] >= nb:
+                j -= 1
+            k = max(j, slot.get(store, 0))
+            for i in range(k, need[ld]):
+                room[i] -= nb
+        back = max(st, t[k]) if k < len(t) else st
+        slot[ld] = k
     out: list[int] = []
     pending: dict[int, list[int]] = {}
     for v in stores + loads:            # stores first where a pair shares a slot

@@ -1,0 +1,157 @@
+"""optimize(): budgets, feasibility in simulation and measurement, eager equality,
+monotonic selection, progress, interruption, determinism, errors."""
+import pytest
+import torch
+
+import magis_nb
+from magis_nb import zoo
+from magis_nb.search import Progress
+from magis_nb.verify import Reference
+
+# Latency from a fixed GPU profile keeps the search deterministic (measured CPU
+# costs vary run to run); the plans still run, and are measured, on this CPU.
+PROFILE = "rtx3090"
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return zoo.build("gpt", "tiny")
+
+
+@pytest.fixture(scope="module")
+def gpt_ref(gpt):
+    return Reference(gpt.model, gpt.inputs, gpt.loss_fn, "train")
+
+
+@pytest.fixture(scope="module")
+def gpt_mem(gpt):
+    return magis_nb.optimize(gpt.model, gpt.inputs, loss_fn=gpt.loss_fn, mem_budget=0.5,
+                             device_profile=PROFILE, time_budget=120, max_states=40)
+
+
+def test_feasible_plan_meets_its_budget_in_simulation_and_measurement(gpt, gpt_mem, gpt_ref):
+    res = gpt_mem
+    assert res.met and "met" in res.message
+    assert res.plan.peak <= 0.5 * res.before.peak
+    chk = gpt_ref.check(res.module)
+    assert chk.comparison.allclose, chk.comparison.mismatches
+    # the measured peak is the simulated one (host buffers are not device memory)
+    assert abs(chk.measured_peak - res.plan.peak) <= 0.03 * res.plan.peak
+    assert chk.measured_peak <= 0.5 * res.before.peak * 1.03
+
+
+def test_every_pareto_plan_runs_like_eager(gpt_mem, gpt_ref):
+    front = gpt_mem.pareto
+    assert len(front) >= 2
+    assert [p.peak for p in front] == sorted(p.peak for p in front)
+    # non-dominated: latency falls as the peak rises
+    assert all(a.latency > b.latency for a, b in zip(front, front[1:]))
+    step = max(1, len(front) // 5)          # five plans across the front, both ends included
+    for p in front[::step] + front[-1:]:
+        chk = gpt_ref.check(gpt_mem.module_for(p))
+        assert chk.comparison.allclose, (p, chk.comparison.mismatches)
+        assert chk.measured_peak == p.peak
+
+
+def test_select_is_monotonic_in_the_budget(gpt_mem):
+    res = gpt_mem
+    peaks = []
+    for b in (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1):
+        plan = res.select(mem_budget=b)
+        assert res.met == (plan.peak <= b * res.before.peak)
+        peaks.append(plan.peak)
+    assert peaks == sorted(peaks, reverse=True)
+    lats = [res.select(lat_budget=b).latency for b in (1.3, 1.2, 1.1, 1.05, 1.0)]
+    assert lats == sorted(lats, reverse=True)
+    res.select(mem_budget=0.5)
+
+
+def test_tighter_budget_searches_never_end_higher():
+    case = zoo.build("mlp", "tiny")
+    peaks = []
+    for b in (0.9, 0.7, 0.5, 0.3):
+        res = magis_nb.optimize(case.model, case.inputs, loss_fn=case.loss_fn, mem_budget=b,
+                                device_profile=PROFILE, time_budget=120, max_states=30)
+        peaks.append(res.plan.peak)
+    assert peaks == sorted(peaks, reverse=True)
+
+
+def test_infeasible_budget_returns_the_lowest_peak_and_says_so(gpt_mem):
+    res = gpt_mem
+    plan = res.select(mem_budget=0.01)
+    assert not res.met
+    assert plan.peak == min(p.peak for p in res.pareto)
+    assert "NOT met" in res.message and f"{plan.peak / 2**20:.2f} MiB" in res.message
+    res.select(mem_budget=0.5)
+
+
+def test_latency_budget_mode_and_inference():
+    case = zoo.build("vit", "tiny")
+    res = magis_nb.optimize(case.model, case.inputs[:-1], mode="infer", lat_budget=1.1,
+                            device_profile=PROFILE, time_budget=120, max_states=15)
+    assert res.met and res.plan.latency <= 1.1 * res.before.latency
+    assert res.plan.peak <= res.before.peak
+    out = res.module(*case.inputs[:-1])
+    torch.testing.assert_close(out, case.model(*case.inputs[:-1]), rtol=1e-4, atol=1e-5)
+
+
+def test_progress_is_reported_and_ends_with_done():
+    case = zoo.build("mlp", "tiny")
+    seen = []
+    res = magis_nb.optimize(case.model, case.inputs, loss_fn=case.loss_fn, mem_budget=0.6,
+                            device_profile=PROFILE, time_budget=120, max_states=12,
+                            progress=seen.append)
+    assert seen and all(isinstance(p, Progress) for p in seen)
+    assert seen[-1].done and not any(p.done for p in seen[:-1])
+    assert seen[-1].states == res.states
+    assert seen[-1].before_peak == res.before.peak
+    assert all(a.elapsed <= b.elapsed for a, b in zip(seen, seen[1:]))
+
+
+def test_ctrl_c_returns_the_best_so_far():
+    case = zoo.build("mlp", "tiny")
+    calls = []
+
+    def interrupt(p):
+        calls.append(p)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+
+    res = magis_nb.optimize(case.model, case.inputs, loss_fn=case.loss_fn, mem_budget=0.5,
+                            device_profile=PROFILE, time_budget=120, progress=interrupt)
+    assert res.interrupted
+    assert res.plan.peak <= res.before.peak
+    chk = Reference(case.model, case.inputs, case.loss_fn, "train").check(res.module)
+    assert chk.comparison.allclose
+
+
+def test_same_seed_same_plan():
+    case = zoo.build("mlp", "tiny")
+    runs = [magis_nb.optimize(case.model, case.inputs, loss_fn=case.loss_fn, mem_budget=0.5,
+                              device_profile=PROFILE, time_budget=120, max_states=20, seed=3)
+            for _ in range(2)]
+    a, b = runs
+    assert (a.plan.peak, a.plan.latency, a.plan.applied) == (b.plan.peak, b.plan.latency, b.plan.applied)
+    assert a.module.code == b.module.code
+
+
+def test_result_reports_what_was_applied(gpt_mem):
+    res = gpt_mem
+    p = res.plan
+    assert p.applied != "re-order only"
+    assert res.code == res.module.code and "def " in res.code
+    rows = res.summary()
+    assert [r["plan"] for r in rows] == ["before", "after"]
+    tl = res.timeline()
+    assert tl.peak == p.peak and max(tl.total) == p.peak
+    if p.swaps:
+        assert max(tl.host) > 0
+
+
+def test_bad_arguments_are_refused_with_a_hint(gpt):
+    with pytest.raises(ValueError, match="not both"):
+        magis_nb.optimize(gpt.model, gpt.inputs, loss_fn=gpt.loss_fn, mem_budget=0.5, lat_budget=1.1)
+    with pytest.raises(ValueError, match="unknown device profile"):
+        magis_nb.optimize(gpt.model, gpt.inputs, loss_fn=gpt.loss_fn, device_profile="tpu")
+    with pytest.raises(ValueError, match="mode"):
+        magis_nb.optimize(gpt.model, gpt.inputs, mode="eval")

@@ -1,0 +1,188 @@
+"""The optimizer's rules on small graphs with exact outcomes: batched swap and
+remat equal the one-at-a-time rewrites, inverses restore the digest, in-place
+writes are refused, transfers are placed and simulated exactly, BetterThan."""
+import pytest
+import torch
+import torch.nn as nn
+
+from magis_nb.ir import Ref, graph_digest
+from magis_nb.program import trace
+from magis_nb.rules import merge_recompute, rematerialize, swap, unswap
+from magis_nb.rules.remat import can_rematerialize, rematerialize_all
+from magis_nb.rules.swap import swap_all
+from magis_nb.search.algorithm import Objective, _pareto_add
+from magis_nb.search.space import State
+from magis_nb.search.transfers import place_transfers, swap_ops, transfers_of
+from magis_nb.simulate.latency import simulate_latency
+
+
+class TwoLate(nn.Module):
+    """a and b are read early and again by the last op; six muls in between."""
+    def forward(self, x):
+        a = x * 2
+        b = x + 3
+        t = a + b
+        for _ in range(6):
+            t = t * 1.5
+        return t + a + b
+
+
+def _prog():
+    return trace(TwoLate(), (torch.randn(256),), mode="infer")
+
+
+def _ab_last(g):
+    a = next(n.id for n in g.ops if n.target == "aten.mul.Tensor")
+    b = next(n.id for n in g.ops if n.target == "aten.add.Tensor")
+    adds = [n.id for n in g.ops if n.target == "aten.add.Tensor"]
+    return a, b, adds[-2], adds[-1]   # t + a, then (..) + b
+
+
+def test_batched_swap_equals_one_at_a_time_and_unswaps_back():
+    prog = _prog()
+    g = prog.graph
+    a, b, use_a, use_b = _ab_last(g)
+    both = swap_all(g, [(Ref(a, 0), [use_a]), (Ref(b, 0), [use_b])])
+    first = swap(g, Ref(a, 0), [use_a])
+    ids = {n.name: n.id for n in first.nodes}     # ids shift under a rewrite, names stay
+    one = swap(first, Ref(ids[g.nodes[b].name], 0), [ids[g.nodes[use_b].name]])
+    assert graph_digest(both) == graph_digest(one)
+    loads = [n.id for n in both.ops if n.target == "aten._to_copy.default"]
+    assert len(loads) == 2
+    back = unswap(both, loads[1])
+    back = unswap(back, [n.id for n in back.ops if n.target == "aten._to_copy.default"][0])
+    assert graph_digest(back) == graph_digest(g)
+    # pool inputs are numbered past the largest index, so a gap left by an
+    # unswap never yields two host buffers with one name
+    half = unswap(both, loads[0])
+    ids = {n.name: n.id for n in half.nodes}
+    again = swap(half, Ref(ids[g.nodes[a].name], 0), [ids[g.nodes[use_a].name]])
+    names = [n.name for n in again.inputs]
+    assert len(names) == len(set(names))
+
+
+def test_batched_remat_equals_one_at_a_time_and_merges_back():
+    prog = _prog()
+    g = prog.graph
+    a, b, use_a, use_b = _ab_last(g)
+    both = rematerialize_all(g, [(a, [use_a]), (b, [use_b])])
+    first = rematerialize(g, a, [use_a])
+    ids = {n.name: n.id for n in first.nodes}
+    one = rematerialize(first, ids[g.nodes[b].name], [ids[g.nodes[use_b].name]])
+    assert graph_digest(both) == graph_digest(one)
+    orig = {n.name: n.id for n in g.nodes}
+    copies = [n for n in both.ops if n.name not in orig]
+    assert sorted(n.name for n in copies) == sorted(g.nodes[v].name + "_re" for v in (a, b))
+    back = both
+    for v in (a, b):
+        name = g.nodes[v].name
+        ids = {n.name: n.id for n in back.nodes}
+        back = merge_recompute(back, ids[name], ids[name + "_re"])
+    assert graph_digest(back) == graph_digest(g)
+
+
+def test_rewrites_refuse_a_tensor_filled_in_place():
+    """A dropout mask is made by empty_strided and filled by bernoulli_: neither
+    a recompute nor a Store right after its producer would hold the drawn mask."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 1))
+    x = torch.randn(4, 8)
+    prog = trace(model, (x, torch.randn(4, 1)), loss_fn=nn.functional.mse_loss)
+    g = prog.graph
+    mask = next(n.id for n in g.ops if n.target == "aten.empty_strided.default")
+    assert "written in place" in can_rematerialize(g, mask)
+    users = [n.id for n in g.ops if n.target == "aten.native_dropout_backward.default"]
+    with pytest.raises(ValueError, match="written in place"):
+        swap(g, Ref(mask, 0), users)
+
+
+class _UnitCost:
+    """Every non-free op takes 1 s; a transfer takes ``x`` s."""
+    def __init__(self, x):
+        self.x = x
+
+    def op_cost(self, g, node):
+        return 1.0
+
+    def transfer_cost(self, nbytes):
+        return self.x
+
+
+def _swapped_chain():
+    class Chain(nn.Module):
+        def forward(self, x):
+            a = x * 2
+            t = a + 1
+            for _ in range(6):
+                t = t * 1.5
+            return t + a
+    prog = trace(Chain(), (torch.randn(256),), mode="infer")
+    g = prog.graph
+    a = next(n.id for n in g.ops if n.target == "aten.mul.Tensor")
+    last = [n.id for n in g.ops if n.target == "aten.add.Tensor"][-1]
+    return swap(g, Ref(a, 0), [last])
+
+
+def test_store_and_load_are_placed_to_hide_the_copies_exactly():
+    """Ops 0..8 take 1 s each (the mul producing a is op 0, its late user op 8).
+    With 2.5 s copies, the Store (issued at t=1, done at 3.5) goes before op 4,
+    and the Load (needed at t=8, so started by 5.5) right before op 5: nothing
+    waits, the step takes 9 s."""
+    g = _swapped_chain()
+    (store,), (load,) = swap_ops(g)
+    compute = [v for v in g.program_order() if v not in (store, load)]
+    assert len(compute) == 9
+    cost = _UnitCost(2.5)
+    placed = place_transfers(g, _with(g, compute, store, load), lambda v: 1.0, cost.transfer_cost)
+    assert placed.index(store) == placed.index(compute[4]) - 1
+    assert placed.index(load) == placed.index(compute[5]) - 1
+    comp, xs = transfers_of(g, placed)
+    res = simulate_latency(g, comp, cost, transfers=xs)
+    assert res.total_s == 9.0 and res.stall_s == 0.0
+
+
+def test_copies_too_long_to_hide_stall_exactly():
+    """10 s copies: the Store runs 1..11 and the Load only after it, 11..21;
+    op 8 starts at 21: 22 s in all, 13 s of it waiting."""
+    g = _swapped_chain()
+    (store,), (load,) = swap_ops(g)
+    compute = [v for v in g.program_order() if v not in (store, load)]
+    cost = _UnitCost(10.0)
+    placed = place_transfers(g, _with(g, compute, store, load), lambda v: 1.0, cost.transfer_cost)
+    assert placed[-3:] == [store, load, compute[-1]]
+    comp, xs = transfers_of(g, placed)
+    res = simulate_latency(g, comp, cost, transfers=xs)
+    assert res.total_s == 22.0 and res.stall_s == 13.0
+
+
+def _with(g, compute, store, load):
+    """The memory-aware placement: Store right after its producer, Load right
+    before its user."""
+    out = list(compute)
+    out.insert(1, store)
+    out.insert(len(out) - 1, load)
+    return out
+
+
+def _st(peak, lat):
+    return State((), (), None, [], [], peak, lat, [], 0)
+
+
+def test_better_than_in_both_modes():
+    mem = Objective("mem", 100)
+    # under the limit, latency decides; over it, the peak does
+    assert mem.better(_st(90, 1.0), _st(50, 2.0))
+    assert mem.better(_st(120, 5.0), _st(130, 1.0))
+    assert mem.better(_st(100, 1.0), _st(101, 1.0))
+    lat = Objective("lat", 1.0)
+    assert lat.better(_st(50, 1.0), _st(60, 0.5))
+    assert lat.better(_st(500, 1.5), _st(10, 1.6))
+    # relaxed by 1.1, a slightly worse state still counts as better
+    assert not lat.better(_st(105, 0.5), _st(100, 0.5))
+    assert lat.better(_st(105, 0.5), _st(100, 0.5), 1.1)
+
+
+def test_pareto_front_keeps_only_non_dominated_plans():
+    front = []
+    for p, l in [(10, 5.0), (8, 6.0), (9, 5.5), (12, 4.0), (9, 7.0), (8, 5.0)]:
+        front = _pareto_add(front, _st(p, l))
+    assert [(s.peak, s.latency) for s in front] == [(8, 5.0), (12, 4.0)]
