@@ -32,7 +32,7 @@ from .space import Batch, Remat, Space, State, Swap
 
 RELAX = 1.1
 SINGLE = 4                 # single-tensor rewrites proposed per state and rule
-BATCHES = (2, 4, 8, 16, 32)  # batch sizes proposed per state and rule
+BATCHES = (2, 4, 8, 16, 32, 64, 128)  # batch sizes proposed per state and rule
 ENABLE = 6                 # F-Tree candidates proposed for enabling per state
 QUEUE_CAP = 64             # states kept in the queue (the worst are dropped)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import bisect
 from typing import Callable, Sequence
 
-from ..ir.graph import Graph
+from ..ir.graph import Graph, iter_refs
 from ..simulate.cost import is_free
 from ..simulate.latency import Transfer
 
@@ -167,10 +167,17 @@ def transfers_of(g: Graph, order: Sequence[int]) -> tuple[list[int], list[Transf
                 return v
         return None
 
+    def on_compute(v, earlier: bool):
+        # events are recorded on the compute stream: a copy that waits for (or is
+        # awaited by) another copy's op hangs on the nearest compute op instead
+        if v is None or v not in moving:
+            return v
+        return prev_compute(pos[v] + 1) if earlier else next_compute(pos[v] - 1)
+
     xs = []
     for s in stores:
         src = g.storage_of(g.nodes[s].args[1])
-        after = src.node if g.nodes[src.node].kind == "op" else None
+        after = on_compute(src.node, True) if g.nodes[src.node].kind == "op" else None
         xs.append((pos[after] if after is not None else -1,
                    Transfer("store", g.tensor(src).nbytes, after, next_compute(pos[s]))))
     readers: dict[int, list[int]] = {}
@@ -184,11 +191,11 @@ def transfers_of(g: Graph, order: Sequence[int]) -> tuple[list[int], list[Transf
     for ld in loads:
         first = min(readers.get(ld, [None]), key=lambda v: pos.get(v, 1 << 60) if v is not None else 1 << 60)
         after = prev_compute(pos[ld])
-        xs.append((pos[ld], Transfer("load", g.nodes[ld].outputs[0].nbytes, after, first)))
+        xs.append((pos[ld], Transfer("load", g.nodes[ld].outputs[0].nbytes, after,
+                                     on_compute(first, False))))
     xs.sort(key=lambda t: t[0])
     return compute, [t for _, t in xs]
 
 
 def _refs(n):
-    from ..ir.graph import iter_refs
     return iter_refs((n.args, n.kwargs))
