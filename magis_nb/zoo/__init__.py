@@ -25,7 +25,7 @@ __all__ = ["ZooCase", "names", "build"]
 @dataclass
 class ZooCase:
     name: str
-    size: str  # "tiny" | "paper"
+    size: str  # "tiny" | "paper" | "bench"
     model: nn.Module
     inputs: tuple  # model inputs, then the target when loss_fn is not None
     loss_fn: Callable | None  # loss_fn(output, target) -> scalar; None: model returns its loss
@@ -37,17 +37,19 @@ class ZooCase:
 _REGISTRY: dict[str, tuple[str, tuple[str, ...]]] = {
     "mlp": ("mlp", ("tiny",)),
     "resnet": ("resnet", ("tiny", "paper")),
-    "bert": ("bert", ("tiny", "paper")),
-    "vit": ("vit", ("tiny", "paper")),
-    "gpt": ("gpt", ("tiny", "paper")),
+    "bert": ("bert", ("tiny", "paper", "bench")),
+    "vit": ("vit", ("tiny", "paper", "bench")),
+    "gpt": ("gpt", ("tiny", "paper", "bench")),
     "btlm": ("gpt", ("tiny", "paper")),  # same code path as gpt, other options
-    "unet": ("unet", ("tiny", "paper")),
+    "unet": ("unet", ("tiny", "paper", "bench")),
     "unetpp": ("unetpp", ("tiny", "paper")),
     "densenet": ("densenet", ("tiny",)),
     "randwire": ("randwire", ("tiny",)),
 }
 
-SIZES = ("tiny", "paper")
+# "bench": the tiny architecture at the batch where one eager step takes about a
+# second on a 2-core CPU (the side-by-side benchmark, `python -m magis_nb.bench peers`).
+SIZES = ("tiny", "paper", "bench")
 
 
 def names(size: str = "tiny") -> list[str]:

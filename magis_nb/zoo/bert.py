@@ -17,6 +17,7 @@ from .losses import cross_entropy
 
 PAPER = dict(batch=32, seq=512, vocab=30522, d=768, heads=12, layers=12, ffn=3072, max_pos=512)
 TINY = dict(batch=48, seq=128, vocab=512, d=64, heads=4, layers=4, ffn=256, max_pos=128)
+BENCH = dict(batch=16, seq=128, vocab=512, d=64, heads=4, layers=4, ffn=256, max_pos=128)  # `bench peers`
 MLM_FRACTION = 0.15  # share of positions with a label; the rest are ignore_index
 
 
@@ -92,7 +93,7 @@ def _init(m: nn.Module) -> None:
 
 
 def case(name: str, size: str, seed: int) -> ZooCase:
-    c = PAPER if size == "paper" else TINY
+    c = {"paper": PAPER, "bench": BENCH}.get(size, TINY)
     model = BertForMaskedLM(c["vocab"], c["d"], c["heads"], c["layers"], c["ffn"], c["max_pos"])
     shape = (c["batch"], c["seq"])
     ids = torch.randint(0, c["vocab"], shape)

@@ -15,6 +15,7 @@ from .losses import cross_entropy
 
 PAPER = dict(batch=64, image=224, patch=16, d=768, heads=12, layers=12, mlp=3072, classes=1000)
 TINY = dict(batch=64, image=96, patch=8, d=64, heads=4, layers=4, mlp=256, classes=10)
+BENCH = dict(batch=24, image=96, patch=8, d=64, heads=4, layers=4, mlp=256, classes=10)  # `bench peers`
 
 
 class Attention(nn.Module):
@@ -62,7 +63,7 @@ class ViT(nn.Module):
 
 
 def case(name: str, size: str, seed: int) -> ZooCase:
-    c = PAPER if size == "paper" else TINY
+    c = {"paper": PAPER, "bench": BENCH}.get(size, TINY)
     model = ViT(c["image"], c["patch"], c["d"], c["heads"], c["layers"], c["mlp"], c["classes"])
     x = torch.randn(c["batch"], 3, c["image"], c["image"])
     y = torch.randint(0, c["classes"], (c["batch"],))
