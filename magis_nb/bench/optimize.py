@@ -2,8 +2,9 @@
 
 (a) tiny zoo models on this CPU with measured op costs, at lat_budget 1.10 and at
 mem_budget 0.4: the chosen plan's measured peak (CPU storage tracker) against
-eager PyTorch's, its measured wall time against eager's (median of --reps runs
-after 2 warm-ups, same thread count), its simulated peak and whether it is
+eager PyTorch's, its measured wall time against eager's (eager and optimized
+steps alternate, 2 warm-ups, then the median of --reps per-pair ratios, same
+thread count), its simulated peak and whether it is
 allclose to eager. (b) paper-size models planned for a simulated RTX 3090 at
 lat_budget 1.10 and 1.05 and mem_budget 0.8 and 0.4: simulated memory ratio and
 latency overhead (nothing runs: the models live on the meta device).
@@ -26,16 +27,23 @@ CPU_BUDGETS = (("lat", 1.10), ("mem", 0.4))
 PAPER_BUDGETS = (("lat", 1.10), ("lat", 1.05), ("mem", 0.8), ("mem", 0.4))
 
 
-def _median_time(fn, params, reps: int) -> float:
-    ts = []
+def _time_ratio(eager, opt, eager_params, opt_params, reps: int) -> tuple[float, float, float]:
+    """(median eager s, median optimized s, median of per-pair ratios).
+
+    Eager and optimized steps alternate, so a burst of load from elsewhere on the
+    machine hits both sides of a pair alike; the ratio is the median over pairs.
+    """
+    te, to = [], []
     for i in range(reps + 2):
-        for p in params:
-            p.grad = None
-        t0 = time.perf_counter()
-        fn()
-        if i >= 2:
-            ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+        for fn, params, out in ((eager, eager_params, te), (opt, opt_params, to)):
+            for p in params:
+                p.grad = None
+            t0 = time.perf_counter()
+            fn()
+            if i >= 2:
+                out.append(time.perf_counter() - t0)
+    return (statistics.median(te), statistics.median(to),
+            statistics.median(b / a for a, b in zip(te, to)))
 
 
 def cpu_row(name: str, kind: str, budget: float, time_budget: float, reps: int) -> dict:
@@ -48,9 +56,9 @@ def cpu_row(name: str, kind: str, budget: float, time_budget: float, reps: int) 
     ref = Reference(case.model, case.inputs, case.loss_fn, "train")
     chk = ref.check(mod)
     eager_model = copy.deepcopy(case.model)
-    t_eager = _median_time(lambda: eager_step(eager_model, case.inputs, case.loss_fn, "train"),
-                           list(eager_model.parameters()), reps)
-    t_opt = _median_time(lambda: mod(*case.inputs), list(case.model.parameters()), reps)
+    t_eager, t_opt, ratio = _time_ratio(
+        lambda: eager_step(eager_model, case.inputs, case.loss_fn, "train"), lambda: mod(*case.inputs),
+        list(eager_model.parameters()), list(case.model.parameters()), reps)
     ref.restore()
     return {"model": name, "size": "tiny", "profile": res.profile, "budget_kind": kind,
             "budget": budget, "met": res.met,
@@ -58,7 +66,7 @@ def cpu_row(name: str, kind: str, budget: float, time_budget: float, reps: int) 
             "sim_mem_ratio": round(res.plan.peak / res.before.peak, 4),
             "sim_peak": res.plan.peak, "measured_peak": chk.measured_peak,
             "sim_vs_measured": round(abs(res.plan.peak - chk.measured_peak) / chk.measured_peak, 4),
-            "lat_ratio": round(t_opt / t_eager, 4),
+            "lat_ratio": round(ratio, 4), "eager_s": round(t_eager, 4), "opt_s": round(t_opt, 4),
             "sim_lat_ratio": round(res.lat_ratio, 4),
             "measured": True, "allclose": chk.comparison.allclose,
             "applied": res.plan.applied, "states": res.states, "seconds": round(seconds, 1)}
