@@ -10,6 +10,7 @@ COMMANDS = {
     "sched": "DP / incremental scheduling against program order",
     "fission": "F-Tree candidates of every tiny zoo model, split, measured, checked",
     "optimize": "the optimizer under memory/latency budgets (CPU measured; paper sizes simulated)",
+    "peers": "magis_nb against eager, checkpoint, torch.compile memory budgets, Rockmate (CPU)",
 }
 
 

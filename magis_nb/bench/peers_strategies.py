@@ -1,0 +1,170 @@
+"""The strategies `bench peers` compares: each maps a zoo case to `Candidate`s.
+
+eager: PyTorch as written. checkpoint: `torch.utils.checkpoint` (non-reentrant)
+around each block. compile: `torch.compile` (inductor) with
+`torch._functorch.config.activation_memory_budget`. rockmate: Rockmate from PyPI,
+if it imports. magis: `magis_nb.optimize`, every point of a spread of its Pareto
+front. Every candidate trains the case's own parameters or a copy of them from
+the same initial state, so its loss and gradients can be held against eager's.
+"""
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..capture import eager_step
+from ..capture.export import _Step
+from ..capture.outputs import find_loss
+from .peers_harness import Candidate
+
+# Blocks to checkpoint, as module paths ("*": every child of a ModuleList/Sequential).
+BLOCKS = {"unet": ("inc", "down.*", "dec.*"), "gpt": ("blocks.*",), "vit": ("blocks.*",),
+          "bert": ("layers.*",)}
+COMPILE_BUDGETS = (1.0, 0.5, 0.2, 0.0)
+
+
+def _fresh(case) -> nn.Module:
+    m = copy.deepcopy(case.model)
+    for p in m.parameters():
+        p.grad = None
+    return m
+
+
+def _cand(setting, step, model, **kw) -> Candidate:
+    return Candidate(setting, step, list(model.parameters()), list(model.buffers()), **kw)
+
+
+def eager(case) -> list[Candidate]:
+    m = _fresh(case)
+    return [_cand("", lambda: eager_step(m, case.inputs, case.loss_fn, "train"), m)]
+
+
+class Checkpointed(nn.Module):
+    """Runs ``inner`` under non-reentrant activation checkpointing (RNG state replayed)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args, **kwargs):
+        return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
+
+
+def wrap_blocks(model: nn.Module, patterns) -> int:
+    """Wrap every module matched by ``patterns`` in `Checkpointed`; returns how many."""
+    n = 0
+    for pat in patterns:
+        parent_path, _, last = pat.rpartition(".")
+        if last == "*":
+            parent = model.get_submodule(parent_path)
+            names = list(parent._modules)
+        else:
+            parent = model.get_submodule(parent_path) if parent_path else model
+            names = [last]
+        for name in names:
+            # Keeps the parameter order: replacing an existing entry keeps its position.
+            parent._modules[name] = Checkpointed(parent._modules[name])
+            n += 1
+    return n
+
+
+def checkpointed(case) -> list[Candidate]:
+    m = _fresh(case)
+    params, buffers = list(m.parameters()), list(m.buffers())
+    n = wrap_blocks(m, BLOCKS[case.name])
+    step = lambda: eager_step(m, case.inputs, case.loss_fn, "train")  # noqa: E731
+    return [Candidate(f"{n} blocks", step, params, buffers)]
+
+
+def compiled(budget: float, backend: str = "inductor"):
+    """torch.compile at one activation_memory_budget (set before the first call,
+    which is when AOTAutograd partitions forward and backward)."""
+
+    def make(case) -> list[Candidate]:
+        import torch._functorch.config as fconfig
+        import torch._inductor.config as iconfig
+
+        fconfig.activation_memory_budget = budget
+        iconfig.fallback_random = True  # dropout draws eager's masks (allclose is checkable)
+        m = _fresh(case)
+        fn = torch.compile(_Step(m, case.loss_fn, "train"), backend=backend)
+
+        def step():
+            loss = fn(*case.inputs)[0]
+            loss.backward()
+            return loss.detach()
+
+        return [_cand(f"budget={budget}", step, m, trackable=False,
+                      note="" if backend == "inductor" else f"backend={backend}")]
+
+    return make
+
+
+def rockmate(case) -> list[Candidate]:
+    """Rockmate (rkgb + rockmate from PyPI). Raises with its own message if it
+    does not import or does not build a module on this machine."""
+    from rockmate import Rockmate  # noqa: F401  (ImportError is the recorded reason)
+
+    m = _fresh(case)
+    t0 = time.perf_counter()
+    rk = Rockmate(m, case.inputs[:-1] if case.loss_fn else case.inputs, budget=None)
+    prep = time.perf_counter() - t0
+
+    def step():
+        out = rk(*case.inputs[:-1]) if case.loss_fn else rk(*case.inputs)
+        loss = case.loss_fn(out, case.inputs[-1]) if case.loss_fn else find_loss(out)
+        loss.backward()
+        return loss.detach()
+    return [_cand("", step, m, prep_s=prep)]
+
+
+def spread(plans: list, k: int) -> list:
+    """At most ``k`` plans of a front sorted by peak: both ends and evenly between."""
+    if len(plans) <= k:
+        return list(plans)
+    idx = sorted({round(i * (len(plans) - 1) / (k - 1)) for i in range(k)})
+    return [plans[i] for i in idx]
+
+
+def magis(time_budget: float, points: int, lat_budget: float = 1.10):
+    """One search (lowest peak within ``lat_budget``), then up to ``points`` plans
+    of its Pareto front, each a candidate (its search time is every one's prep_s)."""
+
+    def make(case) -> list[Candidate]:
+        from ..search import optimize
+
+        t0 = time.perf_counter()
+        res = optimize(case.model, case.inputs, loss_fn=case.loss_fn, lat_budget=lat_budget,
+                       time_budget=time_budget)
+        prep = time.perf_counter() - t0
+        params, buffers = list(case.model.parameters()), list(case.model.buffers())
+        out = []
+        front = spread(sorted(res.pareto, key=lambda p: p.peak), points)
+        for i, plan in enumerate(front):
+            mod = res.module_for(plan)
+            host = sum(t.numel() * t.element_size() for t in getattr(mod, "_pools", []))
+            out.append(Candidate(
+                f"plan {i + 1}/{len(front)}", (lambda mod=mod: mod(*case.inputs)), params, buffers,
+                prep_s=prep, note=plan.applied,
+                extra={"sim_peak": plan.peak, "sim_latency": plan.latency,
+                       "sim_peak_ratio": round(plan.peak / res.before.peak, 4),
+                       "sim_lat_ratio": round(plan.latency / res.before.latency, 4),
+                       "host_bytes": host, "pareto_size": len(res.pareto), "states": res.states}))
+        return out
+
+    return make
+
+
+def strategies(magis_time: float = 60.0, magis_points: int = 6, backend: str = "inductor"):
+    """name -> [(setting key, make)]; the setting key picks one run of `bench peers`."""
+    return {
+        "eager": [("", eager)],
+        "checkpoint": [("", checkpointed)],
+        "compile": [(str(b), compiled(b, backend)) for b in COMPILE_BUDGETS],
+        "rockmate": [("", rockmate)],
+        "magis": [("", magis(magis_time, magis_points))],
+    }

@@ -1,0 +1,157 @@
+"""The peers harness (magis_nb/bench/peers_*.py) on tiny models: the result type,
+the profiler peak against the storage tracker, allclose catching a wrong step,
+checkpointing lowering the peak, the dominance computation."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from magis_nb import zoo
+from magis_nb.bench import peers, peers_strategies as S
+from magis_nb.bench.peers_harness import (Candidate, Reference, Result, add_ratios, dominated,
+                                          measure, pareto)
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return zoo.build("gpt", "tiny")
+
+
+@pytest.fixture(scope="module")
+def gpt_rows(gpt):
+    ref = Reference.of(gpt)
+    rows = measure(gpt, "eager", S.eager, reps=1, ref=ref)
+    rows += measure(gpt, "checkpoint", S.checkpointed, reps=1, ref=ref)
+    add_ratios(rows)
+    return rows
+
+
+def test_result_row_is_the_json_schema(gpt_rows):
+    row = gpt_rows[0].row()
+    for key in ("model", "strategy", "setting", "peak", "time", "peak_ratio", "time_ratio",
+                "allclose", "error"):
+        assert key in row
+    json.dumps(row)
+    assert Result(**row) == gpt_rows[0]
+    eager = gpt_rows[0]
+    assert eager.strategy == "eager" and eager.error is None and eager.allclose is True
+    assert eager.peak_ratio == 1.0 and eager.time > 0 and eager.time_ratio == 1.0
+
+
+def test_profiler_peak_agrees_with_tracker(gpt_rows):
+    # Note [profiler peak]: same bytes up to kernels' scratch space
+    for r in gpt_rows:
+        assert r.tracker_peak and abs(r.peak - r.tracker_peak) / r.tracker_peak < 0.01, r
+
+
+def test_checkpoint_lowers_peak_and_stays_allclose(gpt_rows):
+    eager, ckpt = gpt_rows
+    assert ckpt.setting == "4 blocks" and ckpt.allclose is True and ckpt.max_err < 1e-5
+    assert ckpt.peak < 0.6 * eager.peak, (ckpt.peak, eager.peak)
+
+
+def test_wrap_blocks_keeps_parameter_order():
+    case = zoo.build("unet", "tiny")
+    before = [id(p) for p in case.model.parameters()]
+    assert S.wrap_blocks(case.model, S.BLOCKS["unet"]) == 9  # inc, 4 down, 4 dec
+    assert [id(p) for p in case.model.parameters()] == before
+    assert isinstance(case.model.down[2], S.Checkpointed)
+
+
+def test_allclose_catches_a_wrong_step(gpt):
+    ref = Reference.of(gpt)
+
+    def make(case):
+        m = S._fresh(case)
+        def step():  # eager, then one gradient is off by 1%
+            loss = S.eager_step(m, case.inputs, case.loss_fn, "train")
+            with torch.no_grad():
+                next(m.parameters()).grad.mul_(1.01)
+            return loss
+        return [Candidate("wrong", step, list(m.parameters()), list(m.buffers()))]
+
+    [r] = measure(gpt, "wrong", make, reps=1, ref=ref)
+    assert r.allclose is False and r.max_err > 0 and r.error is None
+
+
+def test_a_failing_strategy_is_a_row_with_the_reason(gpt):
+    def make(case):
+        raise ImportError("No module named 'rkgb.core'")
+
+    [r] = measure(gpt, "rockmate", make, reps=1, ref=Reference.of(gpt))
+    assert r.peak is None and r.error == "ImportError: No module named 'rkgb.core'"
+
+
+def test_batchnorm_recompute_shows_in_buffers():
+    # checkpoint re-runs BatchNorm's forward, so running stats move twice
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(144, 2))
+    case = zoo.ZooCase("bn", "tiny", model, (torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 0, 1])),
+                       nn.functional.cross_entropy, torch.float32, "")
+
+    def make(c):
+        m = S._fresh(c)
+        params, bufs = list(m.parameters()), list(m.buffers())
+        S.wrap_blocks(m, ("1",))
+        return [Candidate("bn", lambda: S.eager_step(m, c.inputs, c.loss_fn, "train"), params, bufs)]
+
+    [r] = measure(case, "checkpoint", make, reps=1)
+    assert r.allclose is True and r.buffers_close is False
+
+
+def test_compile_aot_eager_is_allclose():
+    import torch._functorch.config as fconfig
+    import torch._inductor.config as iconfig
+
+    saved = fconfig.activation_memory_budget, iconfig.fallback_random
+    try:
+        case = zoo.build("mlp", "tiny")
+        [r] = measure(case, "compile", S.compiled(0.5, backend="aot_eager"), reps=1)
+    finally:
+        fconfig.activation_memory_budget, iconfig.fallback_random = saved
+        torch._dynamo.reset()
+    assert r.error is None and r.allclose is True and r.tracker_peak is None
+    assert r.setting == "budget=0.5" and r.note == "backend=aot_eager"
+
+
+def test_pareto_and_dominance():
+    pts = [(10, 1.0), (5, 1.2), (7, 1.1), (8, 1.3), (3, 2.0)]
+    assert pareto(pts) == [(3, 2.0), (5, 1.2), (7, 1.1), (10, 1.0)]
+    front = pareto(pts)
+    assert dominated((5, 1.2), front)             # a front point covers itself
+    assert dominated((8, 1.3), front)             # (7, 1.1) is better in both
+    assert dominated((5.08, 1.19), front)         # (5, 1.2) is within 2% in time
+    assert dominated((4.95, 1.2), front)          # 1% lower peak: within the 2% tolerance
+    assert not dominated((4.8, 1.2), front)       # 4% lower peak than any at that time
+    assert not dominated((11, 0.9), front)        # faster than all of them
+    assert not dominated((11, 0.9), [])
+
+
+def test_check_counts_peer_points():
+    rows = [Result("m", "eager", "", peak=100, time=1.0, time_ratio=1.0),
+            Result("m", "checkpoint", "", peak=40, time=1.3, time_ratio=1.3),
+            Result("m", "compile", "budget=0.0", peak=30, time=0.9, time_ratio=0.9),
+            Result("m", "rockmate", "", error="ImportError"),
+            Result("m", "magis", "plan 1/2", peak=35, time=1.05, time_ratio=1.05),
+            Result("m", "magis", "plan 2/2", peak=95, time=0.95, time_ratio=0.95)]
+    add_ratios(rows)
+    acc = peers.check(rows, 0.02)["m"]
+    assert acc["peer_points"] == 3 and acc["dominated_points"] == 2
+    assert acc["not_dominated"] == ["compile budget=0.0"] and acc["dominates"] is False
+    assert acc["best_peak_ratio_within_10pct"] == 0.35
+
+
+def test_spread_keeps_both_ends():
+    assert S.spread(list(range(10)), 4) == [0, 3, 6, 9]
+    assert S.spread([1, 2], 6) == [1, 2]
