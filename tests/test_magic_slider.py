@@ -84,3 +84,24 @@ def test_magis_budget_moves_the_slider(kernel_run):
     assert res.error_in_exec is None
     assert abs(slider.slider.value - mid) < 1e-9 and f"x{mid:.2f}" in slider.status.value
     assert slider.redraws == redraws + 1 and abs(r.budget_ratio - mid) < 1e-9
+
+
+def test_progress_widget_marks_a_failed_capture(kernel_run):
+    import ipywidgets as w
+    import magis_nb.notebook.progress as progress
+    ip, _, _ = kernel_run
+    before = set(w.Widget.widgets)
+    body = MODEL.replace("        h = self.emb(idx)\n",
+                         "        h = self.emb(idx)\n        if h.sum() > 0:\n            h = -h\n")
+    real, progress.in_kernel = progress.in_kernel, (lambda shell: True)
+    try:
+        with capture_output():
+            res = ip.run_cell(f"%%magis --time 2 -o broken\n{body}")
+    finally:
+        progress.in_kernel = real
+    assert "could not capture" in str(res.error_in_exec) and "broken" not in ip.user_ns
+    new = [m for k, m in w.Widget.widgets.items() if k not in before]
+    bars = [m for m in new if isinstance(m, w.FloatProgress)]
+    texts = [m for m in new if isinstance(m, w.HTML)]
+    assert [b.description for b in bars] == ["failed"] and bars[0].bar_style == "danger"
+    assert any("capture failed" in t.value for t in texts)
