@@ -35,7 +35,9 @@ def execute(path: Path, out_dir: Path | None = None, timeout: int = TIMEOUT_S):
     # the interpreter running this, whatever "python" is on PATH.
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
                             resources={"metadata": {"path": str(path.parent)}},
-                            store_widget_state=True)
+                            store_widget_state=True,
+                            # a local kernel on loopback: its TCP-without-encryption warning is noise
+                            extra_arguments=["--IPKernelApp.log_level=ERROR"])
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.setdefault("MPLBACKEND", "Agg")
     try:
