@@ -199,3 +199,25 @@ def test_explicit_flags_and_infer_mode(ip):
     res, out = magis(ip, "-q --loss my_loss --inputs x,y", body)
     assert res.error_in_exec is None, out.stdout
     assert ip.user_ns["model_opt_result"].mode == "train"
+
+
+def test_ctrl_c_keeps_the_best_plan_so_far(ip, monkeypatch):
+    """Ctrl-C during the search (here: raised from the progress callback) binds the best
+    plan found so far and says so."""
+    import magis_nb.notebook.progress as progress
+    calls = []
+
+    def interrupting(shell, quiet, time_budget, label):
+        def report(p):
+            calls.append(p)
+            if len(calls) == 2 and not p.done:
+                raise KeyboardInterrupt
+        report.close = lambda failed=None: None
+        return report
+    monkeypatch.setattr(progress, "reporter", interrupting)
+    res, out = magis(ip, "--no-plot --time 30")
+    assert res.error_in_exec is None, out.stdout
+    r = ip.user_ns["model_opt_result"]
+    assert r.interrupted and calls[-1].done and r.seconds < 30
+    assert "interrupted, best plan so far" in out.stdout
+    assert ip.user_ns["model_opt"] is r.module_for(r.plan)
