@@ -123,6 +123,7 @@ def test_compile_aot_eager_is_allclose():
         torch._dynamo.reset()
     assert r.error is None and r.allclose is True and r.tracker_peak is None
     assert r.setting == "budget=0.5" and r.note == "backend=aot_eager"
+    assert 0 < r.extra["saved_bytes"] < r.peak
 
 
 def test_pareto_and_dominance():

@@ -100,6 +100,9 @@ def main(argv) -> int:
     p.add_argument("--tol", type=float, default=0.02, help="noise allowed in the dominance check")
     p.add_argument("--resume", action="store_true",
                    help="keep the rows already in --json and run only what is missing")
+    p.add_argument("--no-run", action="store_true",
+                   help="run nothing: table, acceptance, plots (and --markdown) from --json")
+    p.add_argument("--markdown", action="store_true", help="also print the table as Markdown")
     p.add_argument("--one", nargs=3, metavar=("MODEL", "STRATEGY", "KEY"), help=argparse_hidden())
     p.add_argument("--out", help=argparse_hidden())
     a = p.parse_args(argv)
@@ -109,7 +112,7 @@ def main(argv) -> int:
 
     runs = strategies(a.magis_time, a.magis_points, a.backend)
     results: list[Result] = []
-    if a.resume and a.json and os.path.exists(a.json):
+    if (a.resume or a.no_run) and a.json and os.path.exists(a.json):
         with open(a.json) as f:
             results = [Result(**r) for r in json.load(f)]
     done = {(r.model, r.strategy, r.setting.removeprefix("budget=") if r.strategy == "compile" else "")
@@ -123,7 +126,7 @@ def main(argv) -> int:
     for model in models:
         for strat in a.strategies.split(","):
             for key, _ in runs[strat]:
-                if (model, strat, key) in done:
+                if (model, strat, key) in done or a.no_run:
                     continue
                 rs = run_one(model, strat, key, a)
                 results.extend(rs)
@@ -140,7 +143,10 @@ def main(argv) -> int:
         print(f"{m}: magis front dominates {v['dominated_points']}/{v['peer_points']} peer points"
               f"{'' if not v['not_dominated'] else ' (not: ' + ', '.join(v['not_dominated']) + ')'}; "
               f"lowest peak/eager within 10% time: {v['best_peak_ratio_within_10pct']}")
-    write_json(a.json, [r.row() for r in results])
+    if a.markdown:
+        print(markdown(results))
+    if not a.no_run:
+        write_json(a.json, [r.row() for r in results])
     if a.plot:
         from .peers_plot import plot_model
 
@@ -150,10 +156,35 @@ def main(argv) -> int:
     return 1 if bad else 0
 
 
+def markdown(results: list[Result]) -> str:
+    head = ("| model | strategy | setting | peak MiB | peak / eager | time / eager | step s | "
+            "allclose (max abs err) | solve / compile s | tracker MiB | host MiB | applied / note |")
+    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    for r in results:
+        if r.error:
+            lines.append(f"| {r.model} | {r.strategy} | {r.setting} | did not run: {r.error} "
+                         "| | | | | | | | |")
+            continue
+        prep = r.prep_s if r.strategy == "magis" else (
+            round(r.first_step_s, 1) if r.strategy == "compile" else "")
+        host = r.extra.get("host_bytes")
+        bufs = "; BatchNorm stats differ" if r.buffers_close is False else ""
+        note = r.note
+        if "saved_bytes" in r.extra:
+            note = f"saved for backward {r.extra['saved_bytes'] / 2**20:.1f} MiB" + (f"; {note}" if note else "")
+        lines.append(
+            f"| {r.model} | {r.strategy} | {r.setting} | {r.peak / 2**20:.1f} | {_fmt(r.peak_ratio)} | "
+            f"{_fmt(r.time_ratio)} | {_fmt(r.time)} | {r.allclose} ({r.max_err:.1e}){bufs} | {prep} | "
+            f"{'' if r.tracker_peak is None else f'{r.tracker_peak / 2**20:.1f}'} | "
+            f"{'' if host is None else f'{host / 2**20:.1f}'} | {note} |")
+    return "\n".join(lines)
+
+
 def _show(r: Result) -> dict:
     d = r.row()
     d["peak_MiB"] = _fmt(r.peak / 2**20, 1) if r.peak else ""
     d["time_s"] = _fmt(r.time, 3)
+    d["first_step_s"] = _fmt(r.first_step_s, 1)
     d["max_err"] = "" if r.max_err is None else f"{r.max_err:.1e}"
     d["error"] = (r.error or "")[:90]
     return d

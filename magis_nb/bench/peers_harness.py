@@ -40,6 +40,7 @@ class Candidate:
     trackable: bool = True            # a TorchDispatchMode does not change what runs
     note: str = ""
     extra: dict = field(default_factory=dict)
+    forward: Callable[[], object] | None = None  # forward only (returns what backward needs)
 
 
 @dataclass
@@ -94,6 +95,18 @@ def profiled_peak(fn: Callable[[], object], live_before: int, device: str = "cpu
         cur += e.nbytes()
         top = max(top, cur)
     return live_before + top, out
+
+
+def saved_bytes(forward: Callable[[], object]) -> int:
+    """Bytes a forward leaves allocated for its backward (what
+    activation_memory_budget acts on): the profiler's running sum at its end."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = forward()
+    del out
+    return sum(e.nbytes() for e in prof.profiler.kineto_results.events()
+               if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
 
 
 def median_time(step: Callable[[], object], params, reps: int,
@@ -198,6 +211,10 @@ def measure(case, strategy: str, make: Callable, reps: int = 7, ref: Reference |
             torch.manual_seed(0)
             r.peak, loss = profiled_peak(c.step, base, device)
             r.allclose, r.max_err, r.buffers_close = ref.compare(loss, c.params, c.buffers)
+            if c.forward is not None and device == "cpu":
+                state.restore(c.params)
+                torch.manual_seed(0)
+                r.extra["saved_bytes"] = saved_bytes(c.forward)
             if c.trackable and device == "cpu":
                 state.restore(c.params)
                 torch.manual_seed(0)

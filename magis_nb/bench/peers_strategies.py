@@ -98,7 +98,7 @@ def compiled(budget: float, backend: str = "inductor"):
             loss.backward()
             return loss.detach()
 
-        return [_cand(f"budget={budget}", step, m, trackable=False,
+        return [_cand(f"budget={budget}", step, m, trackable=False, forward=lambda: fn(*case.inputs),
                       note="" if backend == "inductor" else f"backend={backend}")]
 
     return make
