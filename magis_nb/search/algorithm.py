@@ -8,10 +8,10 @@ BetterThan: the lexicographic key of ``a`` against ``b``'s key scaled by
 relaxed by 1.1, so slightly worse states stay explorable.
 
 Which rewrites a state proposes (the seed's heuristic H2): only tensors live at
-the peak. Swap and remat act on the largest of them, one at a time and in
-batches (a training peak holds hundreds of saved activations: one tensor per
-step would need hundreds of steps), with their users being the readers after the
-peak. F-Tree rules: enable the best-scoring candidates, mutate n, lift, disable.
+the peak. Swap and remat act on the cheapest of them per byte saved (see
+`_ranked`), one at a time and in batches of 2 to 128, biggest first (a training
+peak holds hundreds of saved activations: one tensor per step would need hundreds
+of steps), with their users being the readers after the peak. F-Tree rules: enable the best-scoring candidates, mutate n, lift, disable.
 Inverse rules: drop one of the latest batches (de-swap, de-remat).
 """
 from __future__ import annotations
@@ -49,9 +49,6 @@ class Objective:
 
     def better(self, a: State, b: State, relax: float = 1.0) -> bool:
         return self.key(a) < self.key(b, relax)
-
-    def feasible(self, s: State) -> bool:
-        return s.peak <= self.limit if self.kind == "mem" else s.latency <= self.limit
 
 
 @dataclass
