@@ -103,6 +103,7 @@ class Graph:
             edges.add((a, b))
         self.dag.add_edges_from_no_data(sorted(edges))
         self._storage = self._resolve_storages()
+        self._readers: dict[Ref, set[int]] | None = None
 
     # -- structure ---------------------------------------------------------
     @property
@@ -143,6 +144,18 @@ class Graph:
     def storage_of(self, r: Ref) -> Ref:
         """The base tensor owning the storage that ``r`` lives in."""
         return self._storage[r]
+
+    def readers(self) -> dict[Ref, set[int]]:
+        """Base tensor -> ops that read its storage, directly or through a view.
+        Built on first use and kept, like the storage map: a graph's args do not
+        change once it is built (rewrites make new graphs)."""
+        if self._readers is None:
+            out: dict[Ref, set[int]] = {}
+            for n in self.ops:
+                for r in iter_refs((n.args, n.kwargs)):
+                    out.setdefault(self._storage[r], set()).add(n.id)
+            self._readers = out
+        return self._readers
 
     def memgraph(self) -> tuple[MemGraph, list[int], list[Ref]]:
         """The plain-data memory model of this graph.

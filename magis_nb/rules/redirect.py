@@ -25,18 +25,6 @@ def view_chain(g: Graph, r: Ref, base: Ref) -> list[Ref]:
     return chain[::-1]
 
 
-def readers(g: Graph, a: Ref) -> set[int]:
-    """Ops that read ``a``'s storage, directly or through a view."""
-    return {n.id for n in g.ops if any(g.storage_of(r) == a for r in iter_refs((n.args, n.kwargs)))}
-
-
-def reader_map(g: Graph) -> dict[Ref, set[int]]:
-    """`readers` of every base tensor at once (one pass over the graph)."""
-    out: dict[Ref, set[int]] = {}
-    for n in g.ops:
-        for r in iter_refs((n.args, n.kwargs)):
-            out.setdefault(g.storage_of(r), set()).add(n.id)
-    return out
 
 
 class Redirect:

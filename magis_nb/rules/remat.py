@@ -12,17 +12,24 @@ different model), ops that write into an input, and ops inside a fission region.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Iterable
 
 import torch
 
 from ..ir.graph import Graph, Node, Ref, iter_refs, map_refs
 from ..ir.passes import Rewriter, prune_dead_views, writes_into_input
-from .redirect import Redirect, reader_map
+from .redirect import Redirect
+
+
+_WRITTEN: "weakref.WeakKeyDictionary[Graph, dict[Ref, str]]" = weakref.WeakKeyDictionary()
 
 
 def written_in_place(g: Graph) -> dict[Ref, str]:
-    """Base tensors that some op writes into -> that op's name."""
+    """Base tensors that some op writes into -> that op's name (once per graph:
+    the search asks it of the same graph for every candidate)."""
+    if g in _WRITTEN:
+        return _WRITTEN[g]
     out: dict[Ref, str] = {}
     for m in g.ops:
         if not writes_into_input(m):
@@ -33,12 +40,12 @@ def written_in_place(g: Graph) -> dict[Ref, str]:
             val = m.args[i] if i < len(m.args) else m.kwargs.get(arg.name)
             for r in iter_refs(val):
                 out.setdefault(g.storage_of(r), m.name)
+    _WRITTEN[g] = out
     return out
 
 
-def can_rematerialize(g: Graph, a: int, written: dict[Ref, str] | None = None) -> str | None:
-    """None when op ``a`` may be recomputed, else why not. ``written``: the
-    graph's `written_in_place` when the caller asks about many ops."""
+def can_rematerialize(g: Graph, a: int) -> str | None:
+    """None when op ``a`` may be recomputed, else why not."""
     n = g.nodes[a]
     if n.kind != "op":
         return f"{n.name} is a graph input"
@@ -50,7 +57,7 @@ def can_rematerialize(g: Graph, a: int, written: dict[Ref, str] | None = None) -
         return f"{n.name} is not an ATen op"
     # An output filled in place later (a dropout mask: empty, then bernoulli_ into
     # it) holds data its producer never computed: a recompute would not have it.
-    written = written_in_place(g) if written is None else written
+    written = written_in_place(g)
     for i, t in enumerate(n.outputs):
         if t is not None and Ref(a, i) in written:
             return f"{n.name}'s output is written in place by {written[Ref(a, i)]}"
@@ -68,10 +75,9 @@ def rematerialize_all(g: Graph, specs: Iterable[tuple[int, Iterable[int]]]) -> G
     if len({a for a, _ in specs}) != len(specs):
         raise ValueError("an op is rematerialized twice in one batch")
     outs: list[list[Ref]] = []
-    written = written_in_place(g)
-    rd = reader_map(g)
+    rd = g.readers()
     for a, users in specs:
-        why = can_rematerialize(g, a, written)
+        why = can_rematerialize(g, a)
         if why:
             raise ValueError(f"cannot rematerialize: {why}")
         src = g.nodes[a]

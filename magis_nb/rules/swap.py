@@ -23,7 +23,7 @@ import torch
 
 from ..ir.graph import Graph, Node, Ref, TensorInfo, iter_refs
 from ..ir.passes import Rewriter, prune_dead_views
-from .redirect import Redirect, reader_map
+from .redirect import Redirect
 from .remat import written_in_place
 
 aten = torch.ops.aten
@@ -43,7 +43,7 @@ def swap_all(g: Graph, specs: Iterable[tuple[Ref, Iterable[int]]]) -> Graph:
     if len({a for a, _ in specs}) != len(specs):
         raise ValueError("a tensor is swapped twice in one batch")
     written = written_in_place(g)
-    rd = reader_map(g)
+    rd = g.readers()
     for a, users in specs:
         t = g.tensor(a)
         src = g.nodes[a.node]

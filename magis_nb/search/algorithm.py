@@ -25,7 +25,6 @@ from typing import Callable
 from ..analysis.ftree import mutations
 from ..ir.digest import graph_digest
 from ..ir.graph import iter_refs
-from ..rules.redirect import reader_map
 from ..rules.remat import can_rematerialize, written_in_place
 from .transfers import is_load, is_store
 from .space import Batch, Remat, Space, State, Swap
@@ -80,7 +79,7 @@ def _ranked(space: Space, st: State) -> tuple[list[Swap], list[Remat]]:
     """
     g = st.graph
     pos = {v: i for i, v in enumerate(st.order)}
-    rd = reader_map(g)
+    rd = g.readers()
     costs = space.costs
     prefix = [0.0]
     for v in st.order:
@@ -108,7 +107,7 @@ def _ranked(space: Space, st: State) -> tuple[list[Swap], list[Remat]]:
         swaps.append((exposed / size, -size, len(swaps), Swap(src, r.out, names)))
         # Recomputing an op whose output nobody reads before the peak only moves
         # it (the scheduler's job), and leaves a dead original behind.
-        if before and can_rematerialize(g, r.node, written) is None:
+        if before and can_rematerialize(g, r.node) is None:
             ins = {g.storage_of(x) for x in iter_refs((g.nodes[r.node].args, g.nodes[r.node].kwargs))}
             if all(g.nodes[b.node].kind == "input" or b in hot_bases for b in ins):
                 remats.append((costs.of(g, r.node) / size, -size, len(remats), Remat(src, names)))

@@ -19,7 +19,6 @@ from ..ir.digest import graph_digest
 from ..ir.graph import Graph, Ref, iter_refs
 from ..program import Program
 from ..rules.remat import can_rematerialize, rematerialize_all, written_in_place
-from ..rules.redirect import reader_map
 from ..rules.swap import swap_all
 from ..schedule import reschedule, schedule
 from ..simulate.latency import simulate_latency
@@ -128,7 +127,7 @@ class Space:
     def apply(self, g: Graph, batch: Batch) -> tuple[Graph, Batch]:
         """``batch`` on ``g``, keeping the specs that still apply there."""
         ids = {n.name: n.id for n in g.nodes}
-        rd = reader_map(g)
+        rd = g.readers()
         written = written_in_place(g)
         kept, args = [], []
         for s in sorted(batch.specs):
@@ -149,7 +148,7 @@ class Space:
                 args.append((a, users))
             else:
                 a = ids.get(s.op)
-                if a is None or can_rematerialize(g, a, written) is not None:
+                if a is None or can_rematerialize(g, a) is not None:
                     continue
                 outs = {Ref(a, i) for i, t in enumerate(g.nodes[a].outputs) if t is not None}
                 reach = set().union(*(rd.get(g.storage_of(r), set()) for r in outs))

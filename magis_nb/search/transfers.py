@@ -20,7 +20,7 @@ from __future__ import annotations
 import bisect
 from typing import Callable, Sequence
 
-from ..ir.graph import Graph, iter_refs
+from ..ir.graph import Graph, Ref
 from ..simulate.cost import is_free
 from ..simulate.latency import Transfer
 
@@ -180,22 +180,14 @@ def transfers_of(g: Graph, order: Sequence[int]) -> tuple[list[int], list[Transf
         after = on_compute(src.node, True) if g.nodes[src.node].kind == "op" else None
         xs.append((pos[after] if after is not None else -1,
                    Transfer("store", g.tensor(src).nbytes, after, next_compute(pos[s]))))
-    readers: dict[int, list[int]] = {}
-    for n in g.ops:
-        if is_free(n):
-            continue  # views of the loaded copy do not touch its data
-        for r in _refs(n):
-            base = g.storage_of(r).node
-            if base in loads:
-                readers.setdefault(base, []).append(n.id)
+    rd = g.readers()
     for ld in loads:
-        first = min(readers.get(ld, [None]), key=lambda v: pos.get(v, 1 << 60) if v is not None else 1 << 60)
+        # views of the loaded copy do not touch its data: the first real reader waits
+        first = min((u for u in rd.get(Ref(ld, 0), ()) if not is_free(g.nodes[u])),
+                    key=lambda v: pos.get(v, 1 << 60), default=None)
         after = prev_compute(pos[ld])
         xs.append((pos[ld], Transfer("load", g.nodes[ld].outputs[0].nbytes, after,
                                      on_compute(first, False))))
     xs.sort(key=lambda t: t[0])
     return compute, [t for _, t in xs]
 
-
-def _refs(n):
-    return iter_refs((n.args, n.kwargs))
