@@ -99,8 +99,8 @@ class _Builder:
             if reg:
                 sp = spans.setdefault(reg[0], [pos[v], pos[v]])
                 sp[0], sp[1] = min(sp[0], pos[v]), max(sp[1], pos[v])
-        labels = {rid: f"{self.space.dg.components[self.space.cands[c].comp].name}/{n}"
-                  for rid, (c, n) in enumerate(st.plan)}
+        # region ids follow the plan's order, as plan_of lists them
+        labels = {rid: f"{r.dim}/{r.n}" for rid, r in enumerate(plan.fission)}
         regions = [(a, b, labels.get(rid, f"region {rid}")) for rid, (a, b) in sorted(spans.items())]
         cats = {c: v for c, v in tl.by_category.items() if c != "host"}
         return Timeline(cats, host, tl.peak, tl.peak_steps[0] if tl.peak_steps else 0, regions)
