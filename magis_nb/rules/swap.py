@@ -29,6 +29,26 @@ from .remat import written_in_place
 aten = torch.ops.aten
 
 
+def is_store(g: Graph, nid: int) -> bool:
+    """A swap's Store: the in-place copy of a tensor into its host buffer."""
+    n = g.nodes[nid]
+    return n.target == "aten.copy_.default" and n.category == "host"
+
+
+def is_load(g: Graph, nid: int) -> bool:
+    """A swap's Load: the copy of a Store's host buffer back to the device."""
+    n = g.nodes[nid]
+    return n.target == "aten._to_copy.default" and bool(n.args) \
+        and isinstance(n.args[0], Ref) and is_store(g, n.args[0].node)
+
+
+def swap_ops(g: Graph) -> tuple[list[int], list[int]]:
+    """(stores, loads) node ids, in node order."""
+    stores = [n.id for n in g.ops if is_store(g, n.id)]
+    loads = [n.id for n in g.ops if is_load(g, n.id)]
+    return stores, loads
+
+
 def swap(g: Graph, a: Ref, users: Iterable[int]) -> Graph:
     """``users`` read ``a``'s output directly or through views of it; they get the
     loaded copy (views are rebuilt on it), so ``a``'s storage can die after its

@@ -14,6 +14,8 @@ from typing import Sequence
 import torch
 
 from ..ir.graph import Graph, Ref, iter_refs
+from ..rules.swap import swap_ops
+from .copies import SYNC
 
 _counter = itertools.count()
 
@@ -88,12 +90,63 @@ def _lastuse(g: Graph, order: Sequence[int]) -> tuple[dict[int, list[Ref]], set[
     return dels, returned
 
 
-def _line(g: Graph, nid: int, loop_var: bool = False) -> str:
+class _Swaps:
+    """Where a program's swaps put their `copies` calls (see runtime.copies).
+
+    A Store is issued right after its tensor's producer (as the latency model
+    places it), and its own line only names the host buffer: the tensor may be
+    deleted after it. A Load's line issues the copy back; the compute stream
+    waits for it (``ready``) just before the first op that reads the copy.
+    """
+
+    def __init__(self, g: Graph, order: Sequence[int]):
+        stores, loads = swap_ops(g)
+        self.any = bool(stores)
+        self.store_k = {s: k for k, s in enumerate(stores)}
+        self.load_k = {ld: j for j, ld in enumerate(loads)}
+        self.after: dict[int, list[int]] = {}           # producer -> its Stores
+        for s in stores:
+            self.after.setdefault(g.nodes[s].args[1].node, []).append(s)
+        pos = {v: i for i, v in enumerate(order)}
+        readers: dict[int, int] = {}                    # Load -> position of its first reader
+        for v in order:
+            for r in iter_refs((g.nodes[v].args, g.nodes[v].kwargs)):
+                if r.node in self.load_k and r.node not in readers:
+                    readers[r.node] = pos[v]
+        self.ready_at: dict[int, list[int]] = {}
+        for ld, p in readers.items():
+            self.ready_at.setdefault(p, []).append(self.load_k[ld])
+
+    def call(self, g: Graph, nid: int) -> str | None:
+        n = g.nodes[nid]
+        if nid in self.store_k:
+            pool, x = n.args
+            return f"{_var(g, pool)}  # Store of {_var(g, x)} issued: it may be freed from here"
+        if nid in self.load_k:
+            return f"_io.load({self.load_k[nid]}, {_var(g, n.args[0])}, _dev)  # {_shape_note(g, nid)}"
+        return None
+
+    def stores_after(self, g: Graph, nid: int) -> list[str]:
+        out = []
+        for s in self.after.get(nid, ()):
+            pool, x = g.nodes[s].args
+            out.append(f"_io.store({self.store_k[s]}, {_var(g, pool)}, {_var(g, x)})")
+        return out
+
+    def ready(self, first: int, stop: int) -> list[str]:
+        ks = sorted(k for p in range(first, stop) for k in self.ready_at.get(p, ()))
+        return [f"_io.ready({k})" for k in ks]
+
+
+def _line(g: Graph, nid: int, loop_var: bool = False, swaps: _Swaps | None = None) -> str:
     n = g.nodes[nid]
     outs = [Ref(nid, k) for k in range(len(n.outputs))]
     lhs = ", ".join(_var(g, r) for r in outs)
     if len(outs) == 1 and n.multi:
         lhs += ","
+    special = swaps.call(g, nid) if swaps is not None else None
+    if special is not None:
+        return f"{lhs} = {special}"
     call = _call(g, nid)
     if loop_var and n.target == "aten.narrow.default" and len(n.region) == 4 and n.region[3]:
         # part k of a fission loop reads its slice at k * chunk
@@ -160,6 +213,10 @@ def generate(g: Graph, order: Sequence[int], fn_name: str = "step") -> str:
     its parts; its memory behaviour is exactly that of the unrolled program (a
     variable from outside the loop is deleted in the last iteration, where the
     unrolled program would delete it).
+
+    A program with swaps takes a keyword ``_io`` (see `runtime.copies`): the
+    same source runs with synchronous copies (the default) or with asynchronous
+    ones on a CUDA copy stream.
     """
     if sorted(order) != sorted(n.id for n in g.ops):
         raise ValueError("the schedule must contain every op exactly once")
@@ -168,13 +225,17 @@ def generate(g: Graph, order: Sequence[int], fn_name: str = "step") -> str:
     for n in g.ops:
         if len(n.region) == 4:
             sizes[n.region[0]] = sizes.get(n.region[0], 0) + 1
-    params = ", ".join(["_dev"] + [n.name for n in g.inputs])
+    swaps = _Swaps(g, order)
+    params = ", ".join(["_dev"] + [n.name for n in g.inputs] + (["*", "_io=_SYNC"] if swaps.any else []))
     lines = [f"def {fn_name}({params}):"]
     i = 0
     while i < len(order):
         loop = _loop_at(g, order, i, sizes)
+        span = 1 if loop is None else loop[0] * loop[1]
+        lines += ["    " + c for c in swaps.ready(i, i + span)]
         if loop is None:
-            lines.append("    " + _line(g, order[i]))
+            lines.append("    " + _line(g, order[i], swaps=swaps))
+            lines += ["    " + c for c in swaps.stores_after(g, order[i])]
             gone = sorted({_var(g, r) for r in dels.get(i, [])})
             if gone:
                 lines.append(f"    del {', '.join(gone)}")
@@ -185,6 +246,8 @@ def generate(g: Graph, order: Sequence[int], fn_name: str = "step") -> str:
         lines.append(f"    # fission region {g.nodes[order[i]].region[0]}: {L} ops, {n} parts")
         lines.append(f"    for _k in range({n}):")
         for t in range(L):
+            if swaps.after.get(order[i + t]) or swaps.call(g, order[i + t]) is not None:
+                raise NotImplementedError("a swap inside a fission loop")  # swap refuses region ops
             lines.append("        " + _line(g, order[i + t], loop_var=True))
             now, later = set(), set()
             for r in dels.get(i + (n - 1) * L + t, []):
@@ -198,6 +261,8 @@ def generate(g: Graph, order: Sequence[int], fn_name: str = "step") -> str:
                 lines.append(f"        if _k == {n - 1}:")
                 lines.append(f"            del {', '.join(sorted(later))}")
         i += n * L
+    if swaps.any:
+        lines.append("    _io.finish()")
     ret = ", ".join(_var(g, r) for r in g.outputs)
     lines.append(f"    return ({ret},)" if len(g.outputs) == 1 else f"    return ({ret})")
     return "\n".join(lines) + "\n"
@@ -207,6 +272,6 @@ def compile_source(src: str, fn_name: str = "step"):
     """Compile generated source; tracebacks through it show the generated lines."""
     filename = f"<magis_nb-generated-{next(_counter)}>"
     linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
-    ns = {"torch": torch, "aten": torch.ops.aten}
+    ns = {"torch": torch, "aten": torch.ops.aten, "_SYNC": SYNC}
     exec(compile(src, filename, "exec"), ns)
     return ns[fn_name]

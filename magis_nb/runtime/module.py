@@ -9,7 +9,9 @@ import torch.nn as nn
 from ..capture.export import Captured
 from ..capture.outputs import unflatten
 from ..ir.graph import Graph
+from ..rules.swap import swap_ops
 from .codegen import compile_source, generate
+from .copies import copies_for
 
 
 class OptimizedModule(nn.Module):
@@ -20,6 +22,11 @@ class OptimizedModule(nn.Module):
     added otherwise) and buffers (BatchNorm running stats) are updated in place, so
     any ``torch.optim`` optimizer works unchanged. The returned loss is detached:
     do not call ``.backward()`` on it. Inference: returns the model's outputs.
+
+    Swapped tensors go to pinned host buffers allocated once per plan. On a CUDA
+    device the copies run asynchronously on a copy stream (`runtime.copies`);
+    elsewhere they are synchronous. ``timed_copies=True`` (CUDA only) times every
+    transfer and wait; `transfer_stats()` then reports the last step's.
     """
 
     def __init__(self, model: nn.Module, cap: Captured, graph: Graph,
@@ -44,6 +51,25 @@ class OptimizedModule(nn.Module):
         pin = torch.cuda.is_available()
         self._pools = [torch.empty(n.outputs[0].shape, dtype=n.outputs[0].dtype, pin_memory=pin)
                        for n in graph.inputs if n.role and n.role[0] == "pool"]
+        stores, loads = swap_ops(graph)
+        self._n_loads = len(loads) if stores else 0
+        self._swaps = bool(stores)
+        self._copies = {}               # device -> copies object, made on first use
+        self.timed_copies = False
+
+    def _io(self, dev: torch.device):
+        key = (dev, self.timed_copies)
+        if key not in self._copies:
+            self._copies[key] = copies_for(dev, max(self._n_loads, 1), timed=self.timed_copies)
+        return self._copies[key]
+
+    def transfer_stats(self):
+        """`TransferStats` of the last step (needs ``timed_copies = True`` on CUDA)."""
+        io = self._copies.get((self._last_dev, True)) if hasattr(self, "_last_dev") else None
+        if io is None or not hasattr(io, "stats"):
+            raise RuntimeError("no timed CUDA step ran: set timed_copies = True and run a "
+                               "step on a CUDA device first")
+        return io.stats()
 
     def _check(self, inputs: tuple) -> None:
         if len(inputs) != len(self._input_meta):
@@ -69,7 +95,11 @@ class OptimizedModule(nn.Module):
         args += self._pools
         dev = inputs[0].device
         with torch.no_grad():
-            outs = self._fn(dev, *args)
+            if self._swaps:
+                self._last_dev = dev
+                outs = self._fn(dev, *args, _io=self._io(dev))
+            else:
+                outs = self._fn(dev, *args)
         del args
         if self.mode == "infer":
             leaves = [o.clone() if c else o for o, c in zip(outs, self._clone_out)]

@@ -21,26 +21,9 @@ import bisect
 from typing import Callable, Sequence
 
 from ..ir.graph import Graph, Ref
+from ..rules.swap import is_load, is_store, swap_ops  # noqa: F401 -- re-exported
 from ..simulate.cost import is_free
 from ..simulate.latency import Transfer
-
-
-def is_store(g: Graph, nid: int) -> bool:
-    n = g.nodes[nid]
-    return n.target == "aten.copy_.default" and n.category == "host"
-
-
-def is_load(g: Graph, nid: int) -> bool:
-    n = g.nodes[nid]
-    return n.target == "aten._to_copy.default" and bool(n.args) \
-        and hasattr(n.args[0], "node") and is_store(g, n.args[0].node)
-
-
-def swap_ops(g: Graph) -> tuple[list[int], list[int]]:
-    """(stores, loads) node ids."""
-    stores = [n.id for n in g.ops if is_store(g, n.id)]
-    loads = [n.id for n in g.ops if is_load(g, n.id)]
-    return stores, loads
 
 
 def place_transfers(g: Graph, order: Sequence[int], dur: Callable[[int], float],

@@ -1,0 +1,183 @@
+"""How a generated program moves swapped tensors to the host and back.
+
+The generated code (see `codegen`) calls four methods of an ``io`` object:
+
+- ``store(k, pool, x)`` right after ``x``'s producer: copy ``x`` into its host
+  buffer ``pool`` (swap ``k``). ``x`` may be deleted by the program afterwards.
+- ``load(k, pool, dev)`` where the plan issues the Load: returns a new tensor on
+  ``dev`` that receives ``pool``'s contents.
+- ``ready(k)`` just before the first op that reads the loaded tensor.
+- ``finish()`` before the program returns.
+
+`SyncCopies` (CPU, or any device without streams) copies at once; `CudaCopies`
+issues the copies on a dedicated copy stream and makes the compute stream wait
+only where a loaded tensor is first read, so transfers overlap compute as the
+plan's latency model assumes. `TimedCudaCopies` also times every transfer and
+every wait with CUDA events: how much transfer time compute actually waited for.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+aten = torch.ops.aten
+
+
+class SyncCopies:
+    """Copies that are done when the call returns (the CPU's only kind)."""
+
+    def store(self, k: int, pool: torch.Tensor, x: torch.Tensor) -> None:
+        pool.copy_(x)
+
+    def load(self, k: int, pool: torch.Tensor, dev) -> torch.Tensor:
+        # _to_copy always copies (Tensor.to would return ``pool`` itself on the CPU)
+        return aten._to_copy.default(pool, device=dev)
+
+    def ready(self, k: int) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+SYNC = SyncCopies()
+
+
+class CudaCopies:
+    """Asynchronous Stores and Loads on one copy stream of ``device``.
+
+    Ordering, without a host-blocking synchronize anywhere:
+
+    - Store: the copy stream waits for the compute stream (``x`` is computed),
+      copies into the pinned buffer, and ``x.record_stream`` keeps the caching
+      allocator from handing ``x``'s block to a later op before the copy has read
+      it. The compute stream never waits for a Store.
+    - Load: the destination is allocated on the compute stream (so its block
+      returns to the compute stream's pool when the program frees it); the copy
+      stream waits for the compute stream up to here (earlier ops may still use
+      that block), copies, and records an event that ``ready`` makes the compute
+      stream wait on.
+    - One copy stream runs the transfers one at a time, in issue order, as the
+      latency simulation models them; a Store into a buffer is ordered after the
+      previous call's Load from it.
+    """
+
+    def __init__(self, n: int, device):
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(self.device)
+        self.done = [torch.cuda.Event() for _ in range(n)]
+
+    def _compute(self):
+        return torch.cuda.current_stream(self.device)
+
+    def store(self, k: int, pool: torch.Tensor, x: torch.Tensor) -> None:
+        self.stream.wait_stream(self._compute())
+        with torch.cuda.stream(self.stream):
+            pool.copy_(x, non_blocking=True)
+        x.record_stream(self.stream)
+
+    def load(self, k: int, pool: torch.Tensor, dev) -> torch.Tensor:
+        y = torch.empty(pool.shape, dtype=pool.dtype, device=self.device)
+        self.stream.wait_stream(self._compute())
+        with torch.cuda.stream(self.stream):
+            y.copy_(pool, non_blocking=True)
+            self.done[k].record(self.stream)
+        return y
+
+    def ready(self, k: int) -> None:
+        self._compute().wait_event(self.done[k])
+
+    def finish(self) -> None:
+        # results (and the next call's reuse of the buffers) follow every copy
+        self._compute().wait_stream(self.stream)
+
+
+@dataclass
+class TransferStats:
+    """CUDA-event times of one step's transfers and of compute's waits for them."""
+    transfer_s: float = 0.0         # copy stream busy with Stores and Loads
+    stall_s: float = 0.0            # compute stream waiting in ready()/finish()
+    copies: int = 0
+    waits: list = field(default_factory=list)   # (swap k, seconds) per wait
+
+    @property
+    def hidden(self) -> float:
+        """Fraction of transfer time that compute did not wait for."""
+        if self.transfer_s <= 0:
+            return 1.0
+        return max(0.0, 1.0 - self.stall_s / self.transfer_s)
+
+
+class TimedCudaCopies(CudaCopies):
+    """`CudaCopies` with timing events around every copy and every wait.
+
+    A wait's stall is the time between an event recorded on the compute stream
+    just before ``wait_event`` and one just after it: zero when the copy was
+    already done, else how long compute sat idle for it. Call `stats()` after
+    the step (it synchronizes).
+    """
+
+    def __init__(self, n: int, device):
+        super().__init__(n, device)
+        self._copy_ev: list[tuple] = []
+        self._wait_ev: list[tuple] = []
+
+    def _ev(self):
+        return torch.cuda.Event(enable_timing=True)
+
+    def _timed_copy(self, dst, src):
+        a, b = self._ev(), self._ev()
+        a.record(self.stream)
+        dst.copy_(src, non_blocking=True)
+        b.record(self.stream)
+        self._copy_ev.append((a, b))
+
+    def store(self, k, pool, x):
+        self.stream.wait_stream(self._compute())
+        with torch.cuda.stream(self.stream):
+            self._timed_copy(pool, x)
+        x.record_stream(self.stream)
+
+    def load(self, k, pool, dev):
+        y = torch.empty(pool.shape, dtype=pool.dtype, device=self.device)
+        self.stream.wait_stream(self._compute())
+        with torch.cuda.stream(self.stream):
+            self._timed_copy(y, pool)
+            self.done[k].record(self.stream)
+        return y
+
+    def _timed_wait(self, k, wait):
+        a, b = self._ev(), self._ev()
+        a.record(self._compute())
+        wait()
+        b.record(self._compute())
+        self._wait_ev.append((k, a, b))
+
+    def ready(self, k):
+        self._timed_wait(k, lambda: self._compute().wait_event(self.done[k]))
+
+    def finish(self):
+        self._timed_wait(-1, lambda: self._compute().wait_stream(self.stream))
+
+    def stats(self) -> TransferStats:
+        torch.cuda.synchronize(self.device)
+        st = TransferStats()
+        for a, b in self._copy_ev:
+            st.transfer_s += a.elapsed_time(b) / 1e3
+        for k, a, b in self._wait_ev:
+            s = a.elapsed_time(b) / 1e3
+            st.stall_s += s
+            st.waits.append((k, s))
+        st.copies = len(self._copy_ev)
+        self._copy_ev.clear()
+        self._wait_ev.clear()
+        return st
+
+
+def copies_for(device, n: int, *, timed: bool = False):
+    """The copies object a program with ``n`` swaps uses on ``device``."""
+    device = torch.device(device)
+    if device.type == "cuda" and n:
+        return (TimedCudaCopies if timed else CudaCopies)(n, device)
+    return SYNC
