@@ -21,7 +21,7 @@ class Comparison:
     mismatches: list[str] = field(default_factory=list)
 
 
-def _close(name, a, b, rtol, atol, out: Comparison):
+def _close(name, a, b, rtol, atol, out: Comparison, rel_atol: float = 0.0):
     if a is None or b is None:
         if (a is None) != (b is None):
             out.allclose = False
@@ -34,25 +34,31 @@ def _close(name, a, b, rtol, atol, out: Comparison):
         return
     err = (a - b).abs().max().item() if a.numel() else 0.0
     out.max_abs_err = max(out.max_abs_err, err)
+    if rel_atol and a.numel():
+        atol = atol + rel_atol * a.abs().max().item()
     if not torch.allclose(a, b, rtol=rtol, atol=atol):
         out.allclose = False
         out.mismatches.append(f"{name}: max abs err {err:.3g}")
 
 
 def compare_models(ref: nn.Module, got: nn.Module, ref_out, got_out, *,
-                   rtol=RTOL, atol=ATOL) -> Comparison:
-    """Outputs (or loss), every .grad and every buffer of two copies of a model."""
+                   rtol=RTOL, atol=ATOL, rel_atol: float = 0.0) -> Comparison:
+    """Outputs (or loss), every .grad and every buffer of two copies of a model.
+
+    ``rel_atol`` adds that fraction of each reference tensor's largest magnitude
+    to ``atol``: low-precision (bf16) results are close relative to their scale,
+    and elements near zero carry the scale's rounding error, not their own."""
     cmp = Comparison(True, 0.0)
     ra, _ = flatten(ref_out)
     ga, _ = flatten(got_out)
     if len(ra) != len(ga):
         return Comparison(False, float("inf"), ["different number of outputs"])
     for i, (a, b) in enumerate(zip(ra, ga)):
-        _close(f"output {i}", a, b, rtol, atol, cmp)
+        _close(f"output {i}", a, b, rtol, atol, cmp, rel_atol)
     for (n, p), (_, q) in zip(ref.named_parameters(), got.named_parameters()):
-        _close(f"grad {n}", p.grad, q.grad, rtol, atol, cmp)
+        _close(f"grad {n}", p.grad, q.grad, rtol, atol, cmp, rel_atol)
     for (n, b), (_, c) in zip(ref.named_buffers(), got.named_buffers()):
-        _close(f"buffer {n}", b, c, rtol, atol, cmp)
+        _close(f"buffer {n}", b, c, rtol, atol, cmp, rel_atol)
     return cmp
 
 

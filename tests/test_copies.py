@@ -67,6 +67,32 @@ def _prefetch_order(g):
     return out
 
 
+def swapped_gpt(device="cpu"):
+    """Tiny GPT split by its best F-Tree candidate, with every activation outside
+    the region swapped out to all its readers and the Loads prefetched as early
+    as possible: (case, program, graph, order)."""
+    case = zoo.build("gpt", "tiny", device=device)
+    prog = trace(case.model, case.inputs, loss_fn=case.loss_fn)
+    dg = DGraph(prog.graph)
+    best = max(build_ftree(dg, prog.hotspots()), key=lambda c: c.score)
+    g = apply_fission(dg, [best.ftrans(2)])
+    rd, written = g.readers(), written_in_place(g)
+    specs = [(Ref(n.id, k), rd[Ref(n.id, k)]) for n in g.ops
+             if not n.region and n.category == "activation"
+             for k, t in enumerate(n.outputs)
+             if t is not None and t.alias is None and Ref(n.id, k) not in written
+             and rd.get(Ref(n.id, k))]
+    assert len(specs) >= 8
+    sg = swap_all(g, specs)
+    return case, prog, sg, _prefetch_order(sg)
+
+
+def simulated_peak(g, order):
+    mg, op_ids, _ = g.memgraph()
+    index = {v: i for i, v in enumerate(op_ids)}
+    return simulate_memory(mg, [index[v] for v in order]).peak
+
+
 def test_cpu_uses_synchronous_copies():
     assert copies_for("cpu", 3) is SYNC
     assert copies_for(torch.device("cpu"), 0) is SYNC
@@ -92,24 +118,9 @@ def test_store_follows_its_producer_and_ready_precedes_the_first_reader():
 
 
 def test_late_copies_train_exactly_like_eager_at_the_simulated_peak():
-    """Tiny GPT split by its best F-Tree candidate, every activation outside the
-    region swapped out to all its readers, Loads prefetched as early as possible:
-    with copies done as late as a copy stream may do them, loss and gradients
-    equal eager's and the measured peak equals the simulated one."""
-    case = zoo.build("gpt", "tiny")
-    prog = trace(case.model, case.inputs, loss_fn=case.loss_fn)
-    dg = DGraph(prog.graph)
-    best = max(build_ftree(dg, prog.hotspots()), key=lambda c: c.score)
-    g = apply_fission(dg, [best.ftrans(2)])
-    rd, written = g.readers(), written_in_place(g)
-    specs = [(Ref(n.id, k), rd[Ref(n.id, k)]) for n in g.ops
-             if not n.region and n.category == "activation"
-             for k, t in enumerate(n.outputs)
-             if t is not None and t.alias is None and Ref(n.id, k) not in written
-             and rd.get(Ref(n.id, k))]
-    assert len(specs) >= 8
-    sg = swap_all(g, specs)
-    order = _prefetch_order(sg)
+    """With copies done as late as a copy stream may do them (see `swapped_gpt`),
+    loss and gradients equal eager's and the measured peak equals the simulated one."""
+    case, prog, sg, order = swapped_gpt()
     mod = OptimizedModule(case.model, prog.captured, sg, order)
     late_io = LateCopies()
     mod._copies[(torch.device("cpu"), False)] = late_io
@@ -117,9 +128,7 @@ def test_late_copies_train_exactly_like_eager_at_the_simulated_peak():
     chk = ref.check(mod)
     assert chk.comparison.allclose, chk.comparison.mismatches
     assert sorted(late_io.readied) == list(range(len(swap_ops(sg)[1])))
-    mg, op_ids, _ = sg.memgraph()
-    index = {v: i for i, v in enumerate(op_ids)}
-    assert chk.measured_peak == simulate_memory(mg, [index[v] for v in order]).peak
+    assert chk.measured_peak == simulated_peak(sg, order)
     # and the default (synchronous) copies give the same step
     del mod._copies[(torch.device("cpu"), False)]
     chk2 = ref.check(mod)

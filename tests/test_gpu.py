@@ -37,3 +37,47 @@ def test_cuda_peak_matches_simulation_and_eager(name):
         sim = p.simulate().peak
         # The caching allocator rounds each block up (512 B), so allow 3%.
         assert abs(got.peak - sim) <= 0.03 * sim, (got.peak, sim)
+
+
+def test_async_swaps_on_a_copy_stream_match_eager_and_the_simulated_peak():
+    """Every activation outside the fission region swapped, Loads prefetched early
+    (test_copies.swapped_gpt): on CUDA the copies run on a copy stream, the step
+    equals eager's, the allocator's peak is the simulated one (within 3%), and
+    the timed copies report transfer time and a hidden fraction in [0, 1]."""
+    import copy
+    from magis_nb.runtime import OptimizedModule
+    from magis_nb.runtime.copies import CudaCopies
+    from test_copies import simulated_peak, swapped_gpt
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    case, prog, g, order = swapped_gpt("cuda")
+    ref = copy.deepcopy(case.model)
+    mod = OptimizedModule(case.model, prog.captured, g, order)
+    assert all(p.is_pinned() for p in mod._pools)
+    torch.manual_seed(0)
+    got = measure_cuda(lambda: mod(*case.inputs))
+    assert isinstance(mod._io(case.inputs[0].device), CudaCopies)
+    torch.manual_seed(0)
+    want = eager_step(ref, case.inputs, case.loss_fn)
+    cmp = compare_models(ref, case.model, want, got.result, rtol=1e-4, atol=1e-5)
+    assert cmp.allclose, cmp.mismatches
+    sim = simulated_peak(g, order)
+    assert abs(got.peak - sim) <= 0.03 * sim, (got.peak, sim)
+    mod.timed_copies = True
+    mod(*case.inputs)
+    st = mod.transfer_stats()
+    assert st.copies == 2 * len(mod._pools) and st.transfer_s > 0 and 0.0 <= st.hidden <= 1.0
+
+
+def test_measured_costs_are_cached_per_tf32_setting(tmp_path):
+    from magis_nb.simulate.measured import MeasuredCost
+    old = torch.get_float32_matmul_precision()
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        on = MeasuredCost("cuda", tmp_path)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        off = MeasuredCost("cuda", tmp_path)
+    finally:
+        torch.set_float32_matmul_precision(old)
+    assert on.path != off.path and "tf32mm1" in on.path.name and "tf32mm0" in off.path.name
+    assert on.fallback.tf32 and not off.fallback.tf32

@@ -39,6 +39,12 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
+def _tf32() -> tuple[bool, bool]:
+    """Whether fp32 matmuls and cuDNN convolutions may use TF32 right now."""
+    import torch
+    return (torch.get_float32_matmul_precision() != "highest", bool(torch.backends.cudnn.allow_tf32))
+
+
 def _profile_for_gpu(name: str) -> str:
     s = name.lower().replace(" ", "")
     for key, prof in (("3090", "rtx3090"), ("a100", "a100"), ("h100", "h100"), ("h200", "h200")):
@@ -59,7 +65,9 @@ class MeasuredCost:
     ``<cache_dir>/costs-<torch version>-<device tag>.json``; the cache dir is
     ``cache_dir``, else $MAGIS_NB_CACHE_DIR, else ~/.cache/magis_nb. On the CPU the
     device tag includes the CPU model and the torch thread count (timings depend on
-    both). ``timed`` counts the signatures this instance actually ran.
+    both); on CUDA the GPU's name and whether TF32 is allowed for matmuls and
+    convolutions. Ops are timed with CUDA events there, bf16 ops in bf16 (the
+    signature holds every dtype). ``timed`` counts the signatures this instance actually ran.
     """
 
     def __init__(self, device="cpu", cache_dir=None, *, reps: int = 5,
@@ -75,8 +83,11 @@ class MeasuredCost:
             idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
             self.device = torch.device("cuda", idx)
             gpu = torch.cuda.get_device_name(idx)
-            tag = f"cuda-{gpu}"
-            self.fallback = fallback or RooflineCost(_profile_for_gpu(gpu))
+            # fp32 matmuls and convolutions time differently with TF32 on and off:
+            # each setting has its own cache, and the fallback roofline follows it
+            mm, conv = _tf32()
+            tag = f"cuda-{gpu}-tf32mm{int(mm)}conv{int(conv)}"
+            self.fallback = fallback or RooflineCost(_profile_for_gpu(gpu), tf32=mm)
         elif self.device.type == "cpu":
             tag = f"cpu-{_cpu_model()}-{torch.get_num_threads()}t"
             self.fallback = fallback or RooflineCost("cpu")

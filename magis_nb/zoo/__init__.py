@@ -25,7 +25,7 @@ __all__ = ["ZooCase", "names", "build"]
 @dataclass
 class ZooCase:
     name: str
-    size: str  # "tiny" | "paper" | "bench"
+    size: str  # "tiny" | "paper" | "bench" | "gpu"
     model: nn.Module
     inputs: tuple  # model inputs, then the target when loss_fn is not None
     loss_fn: Callable | None  # loss_fn(output, target) -> scalar; None: model returns its loss
@@ -38,10 +38,10 @@ _REGISTRY: dict[str, tuple[str, tuple[str, ...]]] = {
     "mlp": ("mlp", ("tiny",)),
     "resnet": ("resnet", ("tiny", "paper")),
     "bert": ("bert", ("tiny", "paper", "bench")),
-    "vit": ("vit", ("tiny", "paper", "bench")),
-    "gpt": ("gpt", ("tiny", "paper", "bench")),
+    "vit": ("vit", ("tiny", "paper", "bench", "gpu")),
+    "gpt": ("gpt", ("tiny", "paper", "bench", "gpu")),
     "btlm": ("gpt", ("tiny", "paper")),  # same code path as gpt, other options
-    "unet": ("unet", ("tiny", "paper", "bench")),
+    "unet": ("unet", ("tiny", "paper", "bench", "gpu")),
     "unetpp": ("unetpp", ("tiny", "paper")),
     "densenet": ("densenet", ("tiny",)),
     "randwire": ("randwire", ("tiny",)),
@@ -49,7 +49,8 @@ _REGISTRY: dict[str, tuple[str, tuple[str, ...]]] = {
 
 # "bench": the tiny architecture at the batch where one eager step takes about a
 # second on a 2-core CPU (the side-by-side benchmark, `python -m magis_nb.bench peers`).
-SIZES = ("tiny", "paper", "bench")
+# "gpu": a few GB of activations, for the one-shot GPU check (`python -m magis_nb.bench gpu`).
+SIZES = ("tiny", "paper", "bench", "gpu")
 
 
 def names(size: str = "tiny") -> list[str]:

@@ -33,12 +33,16 @@ CONFIGS = {
     # `bench peers`: the tiny model at the batch where a step takes ~1 s on 2 cores
     ("gpt", "bench"): dict(batch=16, seq=128, vocab=512, d=64, heads=4, layers=4, ffn=256,
                            max_pos=128, pos="learned", mlp="gelu", window=32, qkv_bias=False),
+    # `bench gpu`: a few GB of activations in bf16 on one GPU
+    ("gpt", "gpu"): dict(batch=16, seq=512, vocab=8192, d=512, heads=8, layers=6, ffn=2048,
+                         max_pos=512, pos="learned", mlp="gelu", window=128, qkv_bias=False),
     ("btlm", "paper"): dict(batch=32, seq=512, vocab=50257, d=2560, heads=32, layers=32, ffn=6826,
                             max_pos=None, pos="alibi", mlp="swiglu", window=None, qkv_bias=True),
     ("btlm", "tiny"): dict(batch=48, seq=128, vocab=512, d=64, heads=4, layers=4, ffn=170,
                            max_pos=None, pos="alibi", mlp="swiglu", window=None, qkv_bias=True),
 }
-DTYPES = {"paper": torch.bfloat16, "tiny": torch.float32, "bench": torch.float32}  # the paper runs both LMs in bf16
+DTYPES = {"paper": torch.bfloat16, "tiny": torch.float32, "bench": torch.float32,
+          "gpu": torch.bfloat16}  # the paper runs both LMs in bf16
 NAMES = {"gpt": "GPT-Neo", "btlm": "BTLM"}
 
 

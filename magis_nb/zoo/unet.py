@@ -15,6 +15,7 @@ from .losses import cross_entropy
 PAPER = dict(batch=32, image=256, base=64, depth=4, classes=2)
 TINY = dict(batch=16, image=128, base=8, depth=4, classes=2)
 BENCH = dict(batch=6, image=128, base=8, depth=4, classes=2)  # `bench peers`: ~1 s/step on 2 cores
+GPU = dict(batch=16, image=256, base=32, depth=4, classes=2)   # `bench gpu`: a few GB
 
 
 def double_conv(cin: int, cout: int) -> nn.Sequential:
@@ -47,7 +48,7 @@ class UNet(nn.Module):
 
 
 def case(name: str, size: str, seed: int) -> ZooCase:
-    c = {"paper": PAPER, "bench": BENCH}.get(size, TINY)
+    c = {"paper": PAPER, "bench": BENCH, "gpu": GPU}.get(size, TINY)
     model = UNet(c["base"], c["depth"], c["classes"])
     x = torch.randn(c["batch"], 3, c["image"], c["image"])
     y = torch.randint(0, c["classes"], (c["batch"], c["image"], c["image"]))

@@ -16,6 +16,7 @@ from .losses import cross_entropy
 PAPER = dict(batch=64, image=224, patch=16, d=768, heads=12, layers=12, mlp=3072, classes=1000)
 TINY = dict(batch=64, image=96, patch=8, d=64, heads=4, layers=4, mlp=256, classes=10)
 BENCH = dict(batch=24, image=96, patch=8, d=64, heads=4, layers=4, mlp=256, classes=10)  # `bench peers`
+GPU = dict(batch=64, image=224, patch=16, d=384, heads=6, layers=6, mlp=1536, classes=1000)  # `bench gpu`
 
 
 class Attention(nn.Module):
@@ -63,7 +64,7 @@ class ViT(nn.Module):
 
 
 def case(name: str, size: str, seed: int) -> ZooCase:
-    c = {"paper": PAPER, "bench": BENCH}.get(size, TINY)
+    c = {"paper": PAPER, "bench": BENCH, "gpu": GPU}.get(size, TINY)
     model = ViT(c["image"], c["patch"], c["d"], c["heads"], c["layers"], c["mlp"], c["classes"])
     x = torch.randn(c["batch"], 3, c["image"], c["image"])
     y = torch.randint(0, c["classes"], (c["batch"],))

@@ -1,0 +1,287 @@
+"""gpu: the one-shot GPU check (about 6 minutes on one GPU).
+
+1. the GPU-marked tests (``pytest -m gpu``);
+2. simcheck on the device: every tiny zoo model in program order, simulated peak
+   next to the measured one (the caching allocator's max_memory_allocated), and
+   the step held against eager;
+3. gpt (bf16), unet and vit (fp32, TF32 off so that allclose is meaningful) at
+   the zoo's "gpu" size (a few GB of activations): eager against magis_nb at
+   mem_budget 0.5 and 0.3 (one search at the tighter budget; 0.5 re-selected
+   from its Pareto front): measured peak next to the simulated one, median step
+   time (CUDA events), allclose (bf16 within bf16 tolerance);
+4. every measured plan with swaps runs one more step with timed copies: the
+   transfer time on the copy stream and how much of it compute waited for.
+
+Writes ``gpu.json`` and ``gpu.md`` into ``--out``. ``--device cpu --size tiny``
+runs the same pipeline on the CPU (no tests, no CUDA timings): a dry run.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .. import zoo
+from ..capture import eager_step
+from ..program import trace
+from ..runtime.measure import measure_cpu, model_baseline, storage_bytes
+from ..verify import compare_models
+from .common import parser
+
+MiB = 2**20
+BUDGETS = (0.5, 0.3)
+# fp32 on a GPU: different kernels for split shapes change the summation order.
+TOL = {torch.float32: dict(rtol=1e-3, atol=1e-5, rel_atol=1e-4),
+       torch.bfloat16: dict(rtol=1.6e-2, atol=1e-5, rel_atol=1.6e-2)}
+
+
+class Device:
+    """Peak and time of one step, the same way for eager and for plans."""
+
+    def __init__(self, name: str):
+        self.dev = torch.device(name)
+        self.cuda = self.dev.type == "cuda"
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize(self.dev)
+
+    def peak(self, fn, own) -> tuple[int, int, object]:
+        """(peak bytes of the step counting only ``own`` tensors as the baseline,
+        reserved bytes at the peak or 0, result). On CUDA the allocator's peak
+        counts every live block; blocks that are not the model's (a reference
+        copy, earlier results) are subtracted."""
+        if not self.cuda:
+            m = measure_cpu(fn, own)
+            return m.peak, 0, m.result
+        self.sync()
+        others = torch.cuda.memory_allocated(self.dev) - storage_bytes(own)
+        torch.cuda.reset_peak_memory_stats(self.dev)
+        out = fn()
+        self.sync()
+        return (torch.cuda.max_memory_allocated(self.dev) - others,
+                torch.cuda.max_memory_reserved(self.dev), out)
+
+    def time(self, fn, reps: int = 7) -> float:
+        """Median seconds of ``reps`` steps after one warm-up (CUDA events on GPU)."""
+        fn()
+        ts = []
+        for _ in range(reps):
+            if self.cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                ts.append(a.elapsed_time(b) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+
+def _fresh_grads(model):
+    for p in model.parameters():
+        p.grad = None
+
+
+def _restore(model, state):
+    with torch.no_grad():
+        for k, v in model.state_dict(keep_vars=True).items():
+            v.copy_(state[k])
+    _fresh_grads(model)
+
+
+def run_tests(root: Path) -> dict:
+    t0 = time.perf_counter()
+    if not (root / "tests").is_dir():
+        return {"rc": None, "summary": f"no tests/ under {root}", "seconds": 0.0}
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                        str(root / "tests")], cwd=root, capture_output=True, text=True)
+    lines = [ln for ln in p.stdout.splitlines() if ln.strip()]
+    return {"rc": p.returncode, "summary": lines[-1] if lines else p.stderr[-500:],
+            "seconds": round(time.perf_counter() - t0, 1),
+            "failures": [ln for ln in lines if ln.startswith("FAILED")][:10]}
+
+
+def simcheck(d: Device, names) -> list[dict]:
+    rows = []
+    for name in names:
+        case = zoo.build(name, "tiny", device=d.dev)
+        dt = case.dtype
+        prog = trace(case.model, case.inputs, loss_fn=case.loss_fn)
+        ref = copy.deepcopy(case.model)
+        mod = prog.module()
+        state = {k: v.detach().clone() for k, v in case.model.state_dict(keep_vars=True).items()}
+        torch.manual_seed(0)
+        mod(*case.inputs)                       # warm-up: kernels, cuBLAS workspace
+        _restore(case.model, state)
+        torch.manual_seed(0)
+        peak, _, got = d.peak(lambda: mod(*case.inputs), model_baseline(case.model, case.inputs))
+        torch.manual_seed(0)
+        want = eager_step(ref, case.inputs, case.loss_fn)
+        cmp = compare_models(ref, case.model, want, got, **TOL[dt])
+        sim = prog.simulate().peak
+        rows.append({"model": name, "sim_peak": sim, "measured_peak": peak,
+                     "rel_error": abs(peak - sim) / sim, "allclose": cmp.allclose,
+                     "max_abs_err": cmp.max_abs_err, "mismatches": cmp.mismatches[:3]})
+        del case, prog, ref, mod, state
+    return rows
+
+
+def compare(d: Device, name: str, size: str, time_budget: float) -> list[dict]:
+    """Eager, then magis_nb at each budget, on one model."""
+    from ..search.optimize import optimize
+
+    case = zoo.build(name, size, device=d.dev)
+    model, inputs, loss_fn = case.model, case.inputs, case.loss_fn
+    own = model_baseline(model, inputs)
+    state = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
+
+    # Eager runs on a copy, which then holds the reference gradients and buffers.
+    ref = copy.deepcopy(model)
+    eager_step(ref, inputs, loss_fn)            # warm-up
+    _restore(ref, state)
+    torch.manual_seed(0)
+    e_peak, e_res, want = d.peak(lambda: eager_step(ref, inputs, loss_fn),
+                                 model_baseline(ref, inputs))
+    timer = copy.deepcopy(ref)                  # timing steps move BatchNorm stats
+
+    def eager():
+        _fresh_grads(timer)
+        return eager_step(timer, inputs, loss_fn)
+
+    e_time = d.time(eager)
+    del timer
+    rows = [{"model": name, "size": size, "dtype": str(case.dtype).removeprefix("torch."),
+             "strategy": "eager", "budget": None, "peak": e_peak, "reserved": e_res,
+             "time": e_time, "peak_ratio": 1.0, "time_ratio": 1.0, "allclose": True}]
+    t0 = time.perf_counter()
+    res = optimize(model, inputs, loss_fn=loss_fn, mem_budget=min(BUDGETS), time_budget=time_budget)
+    search_s = time.perf_counter() - t0
+    for b in BUDGETS:
+        plan = res.select(mem_budget=b)
+        mod = res.module
+        _restore(model, state)
+        torch.manual_seed(0)
+        mod(*inputs)                            # warm-up (pinned buffers, kernels)
+        _restore(model, state)
+        torch.manual_seed(0)
+        peak, reserved, got = d.peak(lambda: mod(*inputs), own)
+        cmp = compare_models(ref, model, want, got, **TOL[case.dtype])
+
+        def step():
+            _fresh_grads(model)
+            return mod(*inputs)
+
+        t = d.time(step)
+        row = {"model": name, "size": size, "dtype": rows[0]["dtype"], "strategy": "magis_nb",
+               "budget": b, "met": res.met, "peak": peak, "reserved": reserved,
+               "sim_peak": plan.peak, "sim_rel_error": abs(peak - plan.peak) / plan.peak,
+               "time": t, "peak_ratio": peak / e_peak, "time_ratio": t / e_time,
+               "sim_lat_ratio": plan.latency / res.before.latency,
+               "allclose": cmp.allclose, "max_abs_err": cmp.max_abs_err,
+               "mismatches": cmp.mismatches[:3], "swaps": len(plan.swaps),
+               "remat": len(plan.remat), "fission": [f"{r.dim}/{r.n}" for r in plan.fission],
+               "search_s": round(search_s, 1), "states": res.states}
+        if plan.swaps and d.cuda:
+            mod.timed_copies = True
+            step()
+            st = mod.transfer_stats()
+            mod.timed_copies = False
+            row.update(transfer_s=st.transfer_s, stall_s=st.stall_s, hidden=st.hidden,
+                       copies=st.copies)
+        rows.append(row)
+        _restore(model, state)
+    return rows
+
+
+def _md(report: dict) -> str:
+    out = [f"# bench gpu: {report['device_name']}", "",
+           f"torch {report['torch']}, {report['seconds']:.0f} s in all.", ""]
+    t = report.get("tests")
+    if t:
+        out += [f"GPU tests: `{t['summary']}` (rc {t['rc']}, {t['seconds']} s)", ""]
+    if report.get("simcheck"):
+        out += ["## simcheck (tiny zoo, program order)", "",
+                "| model | simulated MiB | measured MiB | rel. error | allclose |", "|---|---|---|---|---|"]
+        for r in report["simcheck"]:
+            out.append(f"| {r['model']} | {r['sim_peak'] / MiB:.2f} | {r['measured_peak'] / MiB:.2f} "
+                       f"| {r['rel_error']:.4f} | {r['allclose']} |")
+        out.append("")
+    out += ["## eager vs magis_nb", "",
+            "| model | dtype | strategy | budget | peak MiB | peak/eager | sim. peak MiB | "
+            "sim. error | time ms | time/eager | allclose | swaps | transfer ms | hidden |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["compare"]:
+        sim = f"{r['sim_peak'] / MiB:.1f}" if "sim_peak" in r else ""
+        err = f"{r['sim_rel_error']:.4f}" if "sim_rel_error" in r else ""
+        tr = f"{r['transfer_s'] * 1e3:.2f}" if "transfer_s" in r else ""
+        hid = f"{r['hidden']:.2f}" if "hidden" in r else ""
+        out.append(f"| {r['model']} | {r['dtype']} | {r['strategy']} | {r['budget'] or ''} "
+                   f"| {r['peak'] / MiB:.1f} | {r['peak_ratio']:.3f} | {sim} | {err} "
+                   f"| {r['time'] * 1e3:.2f} | {r['time_ratio']:.3f} | {r['allclose']} "
+                   f"| {r.get('swaps', '')} | {tr} | {hid} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv) -> int:
+    p = parser("gpu", __doc__)
+    p.add_argument("--out", required=True, help="folder for gpu.json and gpu.md")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--size", default="gpu", help="zoo size of the eager-vs-plan models")
+    p.add_argument("--models", default="gpt,unet,vit")
+    p.add_argument("--simcheck", default=",".join(zoo.names("tiny")),
+                   help="tiny models for the simcheck ('' to skip)")
+    p.add_argument("--time-budget", type=float, default=20.0, help="search seconds per model")
+    p.add_argument("--no-tests", action="store_true", help="skip the GPU-marked tests")
+    a = p.parse_args(argv)
+    d = Device(a.device)
+    if d.cuda and not torch.cuda.is_available():
+        print("bench gpu: CUDA is not available here (torch.cuda.is_available() is False); "
+              "run it on a machine with a GPU, or pass --device cpu --size tiny for a dry run")
+        return 2
+    if d.cuda:
+        # fp32 plans are held against eager at 1e-3: TF32 matmuls would not be
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    t0 = time.perf_counter()
+    report = {"device": str(d.dev), "torch": torch.__version__,
+              "device_name": torch.cuda.get_device_name(d.dev) if d.cuda else "cpu",
+              "tf32": False}
+    root = Path(__file__).resolve().parents[2]
+    if d.cuda and not a.no_tests:
+        report["tests"] = run_tests(root)
+        print("tests:", report["tests"]["summary"], flush=True)
+    report["simcheck"] = simcheck(d, [n for n in a.simcheck.split(",") if n])
+    for r in report["simcheck"]:
+        print(f"simcheck {r['model']}: rel err {r['rel_error']:.4f} allclose {r['allclose']}", flush=True)
+    report["compare"] = []
+    for name in a.models.split(","):
+        rows = compare(d, name, a.size, a.time_budget)
+        report["compare"] += rows
+        for r in rows:
+            print(f"{name} {r['strategy']} {r['budget']}: peak {r['peak_ratio']:.3f} "
+                  f"time {r['time_ratio']:.3f} allclose {r['allclose']}"
+                  + (f" hidden {r['hidden']:.2f}" if "hidden" in r else ""), flush=True)
+        if d.cuda:
+            torch.cuda.empty_cache()
+    report["seconds"] = time.perf_counter() - t0
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "gpu.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    md = _md(report)
+    with open(os.path.join(a.out, "gpu.md"), "w") as f:
+        f.write(md)
+    print(md)
+    bad = [r for r in report["simcheck"] if not r["allclose"]] + \
+          [r for r in report["compare"] if not r["allclose"]]
+    return 1 if bad else 0

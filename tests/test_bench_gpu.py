@@ -1,0 +1,35 @@
+"""`python -m magis_nb.bench gpu`: refuses clearly without CUDA, and its CPU dry
+run goes through the whole pipeline and writes gpu.json and gpu.md."""
+import json
+
+import pytest
+import torch
+
+from magis_nb.bench import gpu
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_without_cuda_it_says_what_to_do(tmp_path, capsys):
+    assert gpu.main(["--out", str(tmp_path)]) == 2
+    assert "--device cpu --size tiny" in capsys.readouterr().out
+    assert not (tmp_path / "gpu.json").exists()
+
+
+def test_cpu_dry_run_writes_the_report(tmp_path, one_thread):
+    rc = gpu.main(["--device", "cpu", "--size", "tiny", "--models", "mlp", "--simcheck", "mlp",
+                   "--time-budget", "3", "--out", str(tmp_path)])
+    assert rc == 0
+    rep = json.loads((tmp_path / "gpu.json").read_text())
+    assert "tests" not in rep and [r["model"] for r in rep["simcheck"]] == ["mlp"]
+    assert rep["simcheck"][0]["rel_error"] == 0 and rep["simcheck"][0]["allclose"]
+    rows = rep["compare"]
+    assert [(r["strategy"], r["budget"]) for r in rows] == \
+        [("eager", None), ("magis_nb", 0.5), ("magis_nb", 0.3)]
+    for r in rows[1:]:
+        assert r["allclose"], r["mismatches"]
+        assert r["sim_rel_error"] == 0          # the CPU tracker sees what the simulator models
+        if r["met"]:
+            assert r["peak_ratio"] <= r["budget"] * 1.001
+    assert rows[2]["peak"] <= rows[1]["peak"]
+    md = (tmp_path / "gpu.md").read_text()
+    assert "| mlp | float32 | magis_nb | 0.3 |" in md
