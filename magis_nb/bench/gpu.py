@@ -1,4 +1,4 @@
-"""gpu: the one-shot GPU check (about 6 minutes on one GPU).
+"""gpu: the one-shot GPU check (built to finish within 8 minutes on one GPU).
 
 1. the GPU-marked tests (``pytest -m gpu``);
 2. simcheck on the device: every tiny zoo model in program order, simulated peak
