@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from ..program import trace
 from ..runtime import OptimizedModule
-from ..simulate.cost import RooflineCost, make_cost
+from ..simulate.cost import make_cost
 from ..simulate.memory import simulate_memory
 from ..simulate.profiles import profile_names
 from .algorithm import Objective, _pareto_add, search
@@ -22,25 +22,17 @@ MiB = 2 ** 20
 
 
 def _cost_model(device_profile, inputs):
-    """(cost model, copies overlap compute, label)."""
+    """(cost model, copies overlap compute, label). None: measured on the inputs'
+    device; a name or spec for `make_cost`; or a cost model object."""
     if device_profile is None:
         dev = next((x.device for x in inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
-        if dev.type == "cuda":
-            return make_cost("measured:cuda"), True, "measured:cuda"
-        return make_cost("measured"), False, "measured:cpu"
-    if not isinstance(device_profile, str):
-        cost = device_profile
-        prof = getattr(getattr(cost, "profile", None), "name", None)
-        return cost, prof not in (None, "cpu"), repr(cost)
-    spec = device_profile
-    if spec in ("measured", "measured:cpu", "measured:cuda"):
-        cuda = spec.endswith("cuda")
-        return make_cost(spec), cuda, spec if ":" in spec else "measured:cpu"
-    name = spec.split(":", 1)[1] if spec.startswith("roofline:") else spec
-    if name not in profile_names():
-        raise ValueError(f"unknown device profile {spec!r}; use one of "
-                         f"{', '.join(profile_names())} or 'measured'")
-    return RooflineCost(name), name != "cpu", name
+        device_profile = "measured:cuda" if dev.type == "cuda" else "measured"
+    try:
+        cost = make_cost(device_profile)
+    except KeyError:
+        raise ValueError(f"unknown device profile {device_profile!r}; use one of "
+                         f"{', '.join(profile_names())} or 'measured'") from None
+    return cost, bool(getattr(cost, "async_copies", False)), getattr(cost, "label", repr(cost))
 
 
 def _parse_mem(budget, before_peak: int) -> tuple[float, float]:

@@ -233,6 +233,15 @@ class RooflineCost:
     def __repr__(self) -> str:
         return f"RooflineCost({self.profile.name!r})"
 
+    @property
+    def label(self) -> str:
+        return self.profile.name
+
+    @property
+    def async_copies(self) -> bool:
+        """A GPU's copy engines move swaps while it computes; a CPU copies itself."""
+        return self.profile.name != "cpu"
+
     def op_cost(self, graph: Graph, node: Node | int) -> float:
         n = _node(graph, node)
         if is_free(n):

@@ -101,6 +101,16 @@ class MeasuredCost:
     def __repr__(self) -> str:
         return f"MeasuredCost({str(self.device)!r}, {len(self.table)} signatures)"
 
+    @property
+    def label(self) -> str:
+        return f"measured:{self.device.type}"
+
+    @property
+    def async_copies(self) -> bool:
+        """Swaps run on a CUDA copy stream (`runtime.copies`); on the CPU they are
+        ordinary synchronous copies."""
+        return self.cuda
+
     # -- cache ---------------------------------------------------------------
     def _load(self) -> dict:
         try:
