@@ -6,6 +6,12 @@ die after its other users, and ``a'`` is alive only around the late users: the
 scheduler decides exactly when. ``merge_recompute`` is the inverse (merge two ops
 of the same kind with the same inputs); remat followed by it restores the digest.
 
+A remat may carry a *chain*: ancestors of ``a`` recomputed with it, so that the
+copy reads only tensors that are alive anyway (`chain_to_live`). Attention's
+softmax is recomputed from the saved q and k through bmm, view, scale and mask;
+a conv block's ReLU from the saved conv output through BatchNorm. The chain's
+copies live only while ``a``'s copy is computed.
+
 Never recomputed: RNG ops (a recompute would draw a new dropout mask and train a
 different model), ops that write into an input, and ops inside a fission region.
 """
@@ -64,22 +70,49 @@ def can_rematerialize(g: Graph, a: int) -> str | None:
     return None
 
 
-def rematerialize(g: Graph, a: int, users: Iterable[int]) -> Graph:
-    return rematerialize_all(g, [(a, users)])
+def chain_to_live(g: Graph, a: int, live, limit: int = 6) -> list[int] | None:
+    """Ancestors of op ``a`` to recompute with it so that every tensor the
+    recomputation reads is a graph input or has its storage in ``live``
+    (a set of base Refs): in topological order, [] when ``a``'s own inputs
+    qualify, None when that takes more than ``limit`` ops or an op that cannot
+    be recomputed."""
+    chain: set[int] = set()
+    todo = [a]
+    while todo:
+        v = todo.pop()
+        n = g.nodes[v]
+        for r in iter_refs((n.args, n.kwargs)):
+            base = g.storage_of(r)
+            if g.nodes[base.node].kind == "input" or base in live or r.node in chain:
+                continue
+            if can_rematerialize(g, r.node) is not None or len(chain) >= limit:
+                return None
+            chain.add(r.node)
+            todo.append(r.node)
+    return sorted(chain)          # node ids are a topological order
 
 
-def rematerialize_all(g: Graph, specs: Iterable[tuple[int, Iterable[int]]]) -> Graph:
-    """Several remats (op, users) in one pass: the same result as applying
-    `rematerialize` to each in turn, without rebuilding the graph each time."""
-    specs = [(a, set(users)) for a, users in specs]
-    if len({a for a, _ in specs}) != len(specs):
+def rematerialize(g: Graph, a: int, users: Iterable[int], chain: Iterable[int] = ()) -> Graph:
+    return rematerialize_all(g, [(a, users, chain)])
+
+
+def rematerialize_all(g: Graph, specs: Iterable[tuple]) -> Graph:
+    """Several remats (op, users[, chain]) in one pass: the same result as
+    applying `rematerialize` to each in turn, without rebuilding the graph each
+    time. ``chain``: ancestors recomputed first, in topological order (see
+    `chain_to_live`); the copy of ``a`` reads their copies."""
+    specs = [(s[0], set(s[1]), tuple(s[2]) if len(s) > 2 else ()) for s in specs]
+    if len({a for a, _, _ in specs}) != len(specs):
         raise ValueError("an op is rematerialized twice in one batch")
     outs: list[list[Ref]] = []
     rd = g.readers()
-    for a, users in specs:
-        why = can_rematerialize(g, a)
-        if why:
-            raise ValueError(f"cannot rematerialize: {why}")
+    for a, users, chain in specs:
+        for c in chain + (a,):
+            why = can_rematerialize(g, c)
+            if why:
+                raise ValueError(f"cannot rematerialize: {why}")
+        if list(chain) != sorted(chain) or (chain and chain[-1] >= a):
+            raise ValueError("a chain lists ancestors of the op in topological order")
         src = g.nodes[a]
         outs_of_a = [Ref(a, i) for i, t in enumerate(src.outputs) if t is not None]
         if not users or not users <= set().union(*(rd.get(r, set()) for r in outs_of_a)):
@@ -87,7 +120,7 @@ def rematerialize_all(g: Graph, specs: Iterable[tuple[int, Iterable[int]]]) -> G
         outs.append(outs_of_a)
     by_first: dict[int, list[int]] = {}
     by_user: dict[int, list[int]] = {}
-    for k, (a, users) in enumerate(specs):
+    for k, (a, users, _) in enumerate(specs):
         by_first.setdefault(min(users), []).append(k)
         for u in users:
             by_user.setdefault(u, []).append(k)
@@ -97,14 +130,21 @@ def rematerialize_all(g: Graph, specs: Iterable[tuple[int, Iterable[int]]]) -> G
 
     def rule(rw: Rewriter, n: Node) -> bool:
         for k in by_first.get(n.id, ()):
-            src = g.nodes[specs[k][0]]
-            fix = rw.fix
-            new_outs = [None if t is None else dataclasses.replace(
-                t, alias=None if t.alias is None else fix(t.alias)) for t in src.outputs]
-            cid = rw.add(src.name + "_re", src.target, src.op, map_refs(src.args, fix),
-                         map_refs(src.kwargs, fix), new_outs, src.category)
-            rw.nodes[cid].multi = src.multi
-            copy_of[k].update({r: Ref(cid, r.out) for r in outs[k]})
+            a, _, chain = specs[k]
+            made: dict[Ref, Ref] = {}       # chain outputs -> their copies
+
+            def fix(r: Ref, *rest) -> Ref:
+                return made[r] if r in made else rw.fix(r, *rest)
+
+            for v in chain + (a,):
+                src = g.nodes[v]
+                new_outs = [None if t is None else dataclasses.replace(
+                    t, alias=None if t.alias is None else fix(t.alias)) for t in src.outputs]
+                cid = rw.add(src.name + "_re", src.target, src.op, map_refs(src.args, fix),
+                             map_refs(src.kwargs, fix), new_outs, src.category)
+                rw.nodes[cid].multi = src.multi
+                made.update({Ref(v, i): Ref(cid, i) for i in range(len(src.outputs))})
+            copy_of[k].update({r: made[r] for r in outs[k]})
         if n.id in by_user:
             mine: dict[Ref, Ref] = {}
             for k in by_user[n.id]:

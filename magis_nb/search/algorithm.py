@@ -24,8 +24,7 @@ from typing import Callable
 
 from ..analysis.ftree import mutations
 from ..ir.digest import graph_digest
-from ..ir.graph import iter_refs
-from ..rules.remat import can_rematerialize, written_in_place
+from ..rules.remat import can_rematerialize, chain_to_live, written_in_place
 from .transfers import is_load, is_store
 from .space import Batch, Remat, Space, State, Swap
 
@@ -75,7 +74,9 @@ def _ranked(space: Space, st: State) -> tuple[list[Swap], list[Remat]]:
     tensor's last use before the peak and its first use after it cannot hide
     (all of it where copies are synchronous). A remat costs its op again, and is
     only proposed when the op's inputs are live at the peak anyway (resident, or
-    hot themselves): otherwise keeping them alive for the recompute eats the gain.
+    hot themselves), or can be recomputed from such through a short chain of
+    ops, whose cost it adds: keeping a dead input alive for the recompute would
+    eat the gain.
     """
     g = st.graph
     pos = {v: i for i, v in enumerate(st.order)}
@@ -108,9 +109,11 @@ def _ranked(space: Space, st: State) -> tuple[list[Swap], list[Remat]]:
         # Recomputing an op whose output nobody reads before the peak only moves
         # it (the scheduler's job), and leaves a dead original behind.
         if before and can_rematerialize(g, r.node) is None:
-            ins = {g.storage_of(x) for x in iter_refs((g.nodes[r.node].args, g.nodes[r.node].kwargs))}
-            if all(g.nodes[b.node].kind == "input" or b in hot_bases for b in ins):
-                remats.append((costs.of(g, r.node) / size, -size, len(remats), Remat(src, names)))
+            chain = chain_to_live(g, r.node, hot_bases)
+            if chain is not None:
+                cost = sum(costs.of(g, v) for v in chain + [r.node])
+                remats.append((cost / size, -size, len(remats),
+                               Remat(src, names, tuple(g.nodes[v].name for v in chain))))
     return [t[-1] for t in sorted(swaps)], [t[-1] for t in sorted(remats)]
 
 
@@ -126,6 +129,7 @@ def proposals(space: Space, st: State) -> list[tuple[str, tuple, tuple, set]]:
         for s in specs:
             touched |= set(s.users)
             touched.add(s.producer if kind == "swap" else s.op)
+            touched.update(getattr(s, "chain", ()))
         out.append((rule, st.plan, st.batches + (Batch(kind, frozenset(specs)),), touched))
 
     # Big steps first: when the search is cut short (time, max_states) the

@@ -45,6 +45,7 @@ class Swap(NamedTuple):
 class Remat(NamedTuple):
     op: str                     # op recomputed
     users: frozenset[str]       # ops that read the recomputed copy
+    chain: tuple[str, ...] = ()  # ancestors recomputed with it (rules.remat.chain_to_live)
 
 
 class Batch(NamedTuple):
@@ -148,7 +149,10 @@ class Space:
                 args.append((a, users))
             else:
                 a = ids.get(s.op)
-                if a is None or can_rematerialize(g, a) is not None:
+                chain = tuple(ids.get(c) for c in s.chain)
+                if a is None or None in chain or any(can_rematerialize(g, v) is not None
+                                                     for v in chain + (a,)) \
+                        or list(chain) != sorted(chain) or (chain and chain[-1] >= a):
                     continue
                 outs = {Ref(a, i) for i, t in enumerate(g.nodes[a].outputs) if t is not None}
                 reach = set().union(*(rd.get(g.storage_of(r), set()) for r in outs))
@@ -156,7 +160,7 @@ class Space:
                 if None in users or not users <= reach:
                     continue
                 kept.append(s)
-                args.append((a, users))
+                args.append((a, users, chain))
         if not args:
             return g, Batch(batch.kind, frozenset())
         g2 = swap_all(g, args) if batch.kind == "swap" else rematerialize_all(g, args)
