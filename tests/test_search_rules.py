@@ -186,3 +186,21 @@ def test_pareto_front_keeps_only_non_dominated_plans():
     for p, l in [(10, 5.0), (8, 6.0), (9, 5.5), (12, 4.0), (9, 7.0), (8, 5.0)]:
         front = _pareto_add(front, _st(p, l))
     assert [(s.peak, s.latency) for s in front] == [(8, 5.0), (12, 4.0)]
+
+
+def test_a_batch_never_holds_a_remat_that_undoes_another(one_thread):
+    """Recomputing ReLU through BatchNorm reads the conv output: in one batch with
+    a remat that frees that conv output, whichever comes second is left out; so
+    is recomputing the next conv, which reads the ReLU's output."""
+    from magis_nb import zoo
+    from magis_nb.search.algorithm import _compatible
+    from magis_nb.search.space import Remat
+    case = zoo.build("unet", "tiny")
+    g = trace(case.model, case.inputs, loss_fn=case.loss_fn).graph
+    conv = Remat("convolution", frozenset({"x"}))
+    relu = Remat("relu", frozenset({"x"}), ("_native_batch_norm_legit_functional",))
+    nxt = Remat("convolution_1", frozenset({"x"}))
+    other = Remat("convolution_3", frozenset({"x"}))     # another block
+    assert _compatible(g, [conv, relu, other]) == [conv, other]
+    assert _compatible(g, [relu, conv, nxt, other]) == [relu, other]
+    assert _compatible(g, [conv, nxt, other]) == [conv, nxt, other]

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..analysis.ftree import mutations
+from ..ir.graph import iter_refs
 from ..ir.digest import graph_digest
 from ..rules.remat import can_rematerialize, chain_to_live, written_in_place
 from .transfers import is_load, is_store
@@ -114,7 +115,29 @@ def _ranked(space: Space, st: State) -> tuple[list[Swap], list[Remat]]:
                 cost = sum(costs.of(g, v) for v in chain + [r.node])
                 remats.append((cost / size, -size, len(remats),
                                Remat(src, names, tuple(g.nodes[v].name for v in chain))))
-    return [t[-1] for t in sorted(swaps)], [t[-1] for t in sorted(remats)]
+    remats = _compatible(g, [t[-1] for t in sorted(remats)])
+    return [t[-1] for t in sorted(swaps)], remats
+
+
+def _compatible(g, remats: list[Remat]) -> list[Remat]:
+    """``remats`` in rank order, less those that would undo an earlier one: a
+    recompute reads the original of every tensor outside its chain, so it keeps
+    alive a tensor that an earlier remat frees (a conv output, when BatchNorm
+    and ReLU are recomputed from it), or frees one an earlier recompute reads.
+    Every prefix of the result can go in one batch."""
+    ids = {n.name: n.id for n in g.nodes}
+    out, targets, reads = [], set(), set()
+    for s in remats:
+        ops = [ids[c] for c in s.chain] + [ids[s.op]]
+        inside = set(ops)
+        needs = {g.storage_of(r).node for v in ops
+                 for r in iter_refs((g.nodes[v].args, g.nodes[v].kwargs))} - inside
+        if ids[s.op] in reads or needs & targets:
+            continue
+        out.append(s)
+        targets.add(ids[s.op])
+        reads |= needs
+    return out
 
 
 def proposals(space: Space, st: State) -> list[tuple[str, tuple, tuple, set]]:
