@@ -13,6 +13,9 @@ the peak. Swap and remat act on the cheapest of them per byte saved (see
 peak holds hundreds of saved activations: one tensor per step would need hundreds
 of steps), with their users being the readers after the peak. F-Tree rules: enable the best-scoring candidates, mutate n, lift, disable.
 Inverse rules: drop one of the latest batches (de-swap, de-remat).
+TASO subset (`_algebra`): merges of matmuls sharing an input and scale sinks
+whose own ops cost less by the cost model, all together and the best one alone;
+the state's simulated latency and peak then decide, like every other child.
 """
 from __future__ import annotations
 
@@ -23,11 +26,13 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..analysis.ftree import mutations
-from ..ir.graph import iter_refs
 from ..ir.digest import graph_digest
+from ..ir.graph import iter_refs
+from ..rules.algebra import merge_all, merge_groups
 from ..rules.remat import can_rematerialize, chain_to_live, written_in_place
+from ..rules.scale import sink_all, sink_sites
 from .transfers import is_load, is_store
-from .space import Batch, Remat, Space, State, Swap
+from .space import Batch, Merge, Remat, Sink, Space, State, Swap
 
 RELAX = 1.1
 SINGLE = 4                 # single-tensor rewrites proposed per state and rule
@@ -140,6 +145,65 @@ def _compatible(g, remats: list[Remat]) -> list[Remat]:
     return out
 
 
+def _product_of(g, name: str) -> str:
+    """The op whose output a scale reads through views (a Sink's product)."""
+    n = next((m for m in g.nodes if m.name == name), None)
+    if n is None:
+        return name
+    r = n.args[0]
+    while g.tensor(r).alias is not None:
+        r = g.tensor(r).alias
+    return g.nodes[r.node].name
+
+
+def _algebra_gains(space: Space, plan: tuple) -> list[tuple[float, str, tuple]]:
+    """(seconds saved by the rewritten ops, kind, spec) for every merge and sink on
+    the plan's fission graph that saves time, best first; once per plan."""
+    if plan in space._algebra:
+        return space._algebra[plan]
+    g = space.fission_graph(plan)
+    of = space.costs.of
+    out = []
+    groups = merge_groups(g)
+    if groups:
+        g2 = merge_all(g, groups)
+        ids = {n.name: n.id for n in g2.nodes}
+        for gr in groups:
+            merged = g2.nodes[ids[g.nodes[gr[0]].name]].args[0].node   # a slice of it
+            new = [merged] + [r.node for r in iter_refs(g2.nodes[merged].args)
+                              if g2.nodes[r.node].target == "aten.cat.default"]
+            saved = sum(of(g, i) for i in gr) - sum(of(g2, i) for i in new)
+            out.append((saved, "merge", Merge(tuple(g.nodes[i].name for i in gr))))
+    sites = sink_sites(g)
+    ids_g = {n.name: n.id for n in g.nodes}
+    if sites:
+        g2 = sink_all(g, sites)
+        ids = {n.name: n.id for n in g2.nodes}
+        for d in sites:
+            old = [d, ids_g[_product_of(g, g.nodes[d].name)]]
+            new = [ids[g.nodes[i].name] for i in old]
+            saved = sum(of(g, i) for i in old) - sum(of(g2, i) for i in new)
+            out.append((saved, "sink", Sink(g.nodes[d].name)))
+    out = sorted((t for t in out if t[0] > 0), key=lambda t: (-t[0], t[1], t[2]))
+    space._algebra[plan] = out
+    return out
+
+
+def _algebra(space: Space, st: State) -> list[tuple[str, list]]:
+    """(kind, specs) children: every saving rewrite of a kind at once, and the best alone."""
+    if not space.algebra:
+        return []
+    done = {s for b in st.batches if b.kind in ("merge", "sink") for s in b.specs}
+    out = []
+    for kind in ("merge", "sink"):
+        cand = [s for _, k, s in _algebra_gains(space, st.plan) if k == kind and s not in done]
+        if len(cand) > 1:
+            out.append((f"{kind}x{len(cand)}", cand))
+        if cand:
+            out.append((kind, cand[:1]))
+    return out
+
+
 def proposals(space: Space, st: State) -> list[tuple[str, tuple, tuple, set]]:
     """Children of ``st`` as (rule, plan, batches, touched op names)."""
     swaps, remats = _ranked(space, st)
@@ -150,7 +214,12 @@ def proposals(space: Space, st: State) -> list[tuple[str, tuple, tuple, set]]:
             return
         touched = set()
         for s in specs:
-            touched |= set(s.users)
+            if kind == "merge":
+                touched |= set(s.ops)
+                continue
+            if kind == "sink":    # the product it scaled is rewritten too
+                touched.add(_product_of(st.graph, s.op))
+            touched |= set(getattr(s, "users", ()))
             touched.add(s.producer if kind == "swap" else s.op)
             touched.update(getattr(s, "chain", ()))
         out.append((rule, st.plan, st.batches + (Batch(kind, frozenset(specs)),), touched))
@@ -179,6 +248,8 @@ def proposals(space: Space, st: State) -> list[tuple[str, tuple, tuple, set]]:
     enables.sort(key=lambda t: (-t[0], t[1]))
     for _, _, key in enables[:ENABLE]:
         out.append(("enable", key, st.batches, set()))
+    for rule, specs in _algebra(space, st):
+        add(rule, rule.split("x")[0], specs)
     for i in range(max(0, len(st.batches) - 3), len(st.batches)):
         out.append((f"undo-{st.batches[i].kind}", st.plan, st.batches[:i] + st.batches[i + 1:], set()))
     return out

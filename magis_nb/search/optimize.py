@@ -61,7 +61,10 @@ class _Builder:
         remat = sorted(s.op for b in st.batches if b.kind == "remat" for s in b.specs)
         swaps = sorted(f"{s.producer}" + (f"[{s.out}]" if s.out else "")
                        for b in st.batches if b.kind == "swap" for s in b.specs)
-        return Plan(st.peak, st.latency, regions, remat, swaps, st)
+        algebra = sorted([f"merge {'+'.join(s.ops)}" for b in st.batches if b.kind == "merge"
+                          for s in b.specs]
+                         + [f"sink {s.op}" for b in st.batches if b.kind == "sink" for s in b.specs])
+        return Plan(st.peak, st.latency, regions, remat, swaps, st, algebra)
 
     def module(self, plan: Plan) -> nn.Module:
         st = plan.state

@@ -32,6 +32,7 @@ class Plan:
     remat: list[str] = field(default_factory=list)   # ops recomputed for later users
     swaps: list[str] = field(default_factory=list)   # tensors stored to host and loaded back
     state: Any = None               # the search state (graph + order), internal
+    algebra: list[str] = field(default_factory=list)  # "merge a+b+c", "sink d" (TASO subset)
 
     @property
     def applied(self) -> str:
@@ -43,6 +44,8 @@ class Plan:
             parts.append(f"remat {len(self.remat)}")
         if self.swaps:
             parts.append(f"swap {len(self.swaps)}")
+        if self.algebra:
+            parts.append(f"algebra {len(self.algebra)}")
         return "; ".join(parts) or "re-order only"
 
     def __repr__(self) -> str:

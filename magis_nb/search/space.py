@@ -1,4 +1,5 @@
-"""The search space: a state is a fission plan plus batches of remat/swap rewrites.
+"""The search space: a state is a fission plan plus batches of rewrites (remat,
+swap, and the TASO subset: merge matmuls sharing an input, sink a scale).
 
 A state's graph is the captured graph with the plan's F-Tree regions split
 (`apply_fission`), then each batch of rewrites applied in turn. Rewrites name ops
@@ -18,7 +19,9 @@ from ..analysis import DGraph, apply_fission, build_ftree
 from ..ir.digest import graph_digest
 from ..ir.graph import Graph, Ref, iter_refs
 from ..program import Program
+from ..rules.algebra import merge_all, why_not_merge
 from ..rules.remat import can_rematerialize, rematerialize_all, written_in_place
+from ..rules.scale import sink_all, why_not_sink
 from ..rules.swap import swap_all
 from ..schedule import reschedule, schedule
 from ..simulate.latency import simulate_latency
@@ -48,9 +51,17 @@ class Remat(NamedTuple):
     chain: tuple[str, ...] = ()  # ancestors recomputed with it (rules.remat.chain_to_live)
 
 
+class Merge(NamedTuple):
+    ops: tuple[str, ...]        # matmuls sharing an input, merged into one
+
+
+class Sink(NamedTuple):
+    op: str                     # a constant scale of a product, moved onto its input
+
+
 class Batch(NamedTuple):
-    kind: str                   # "swap" | "remat"
-    specs: frozenset            # of Swap or Remat
+    kind: str                   # "swap" | "remat" | "merge" | "sink"
+    specs: frozenset            # of Swap, Remat, Merge or Sink
 
 
 @dataclass(eq=False)
@@ -104,8 +115,11 @@ class _CostTable:
 class Space:
     """Builds and evaluates states of one captured program."""
 
-    def __init__(self, program: Program, cost, *, async_copies: bool, levels: int = 4):
+    def __init__(self, program: Program, cost, *, async_copies: bool, levels: int = 4,
+                 algebra: bool = True):
         self.program = program
+        self.algebra = algebra      # kill switch for the merge/sink rules (proposals)
+        self._algebra: dict[tuple, list] = {}
         self.base = program.graph
         self.costs = _CostTable(cost)
         self.async_copies = async_copies
@@ -127,6 +141,8 @@ class Space:
 
     def apply(self, g: Graph, batch: Batch) -> tuple[Graph, Batch]:
         """``batch`` on ``g``, keeping the specs that still apply there."""
+        if batch.kind in ("merge", "sink"):
+            return _apply_algebra(g, batch)
         ids = {n.name: n.id for n in g.nodes}
         rd = g.readers()
         written = written_in_place(g)
@@ -211,6 +227,38 @@ class Space:
                      tl.peak_steps[0] if tl.peak_steps else 0,
                      digest if digest is not None else graph_digest(graph),
                      0 if parent is None else parent.depth + 1)
+
+
+def _apply_algebra(g: Graph, batch: Batch) -> tuple[Graph, Batch]:
+    """Merge/sink specs that apply on ``g`` (outside fission regions, ops present)."""
+    ids = {n.name: n.id for n in g.nodes}
+    kept, args, used = [], [], set()
+    for s in sorted(batch.specs):
+        names = s.ops if batch.kind == "merge" else (s.op,)
+        nids = [ids.get(nm) for nm in names]
+        if None in nids or used & set(nids):
+            continue
+        why = why_not_merge(g, nids) if batch.kind == "merge" else why_not_sink(g, nids[0])
+        if why is None:
+            kept.append(s)
+            args.append(nids if batch.kind == "merge" else nids[0])
+            used.update(nids)
+    if not args:
+        return g, Batch(batch.kind, frozenset())
+    if batch.kind == "sink":
+        return sink_all(g, args), Batch("sink", frozenset(kept))
+    try:
+        return merge_all(g, args), Batch("merge", frozenset(kept))
+    except ValueError:
+        # groups that would each hoist the other's inputs: merge them one at a time
+        done = []
+        for s in kept:
+            cur = {n.name: n.id for n in g.nodes}
+            nids = [cur[nm] for nm in s.ops]
+            if why_not_merge(g, nids) is None:
+                g = merge_all(g, [nids])
+                done.append(s)
+        return g, Batch("merge", frozenset(done))
 
 
 def _local(order_names: list[str], touched: set[str]) -> bool:
