@@ -94,14 +94,19 @@ def main(argv) -> int:
     p.add_argument("--paper-models", default=",".join(PAPER_MODELS))
     p.add_argument("--profile", default="rtx3090", help="device profile for part (b)")
     p.add_argument("--reps", type=int, default=7, help="timed runs per measurement (median)")
+    p.add_argument("--budgets", default=None,
+                   help="only these budgets, e.g. 'lat:1.10,mem:0.4' (default: the issue's set per part)")
     a = p.parse_args(argv)
+    only = None
+    if a.budgets:
+        only = [(k, float(v)) for k, v in (s.split(":") for s in a.budgets.split(","))]
     fixed_threads()
     rows = []
     cols = [("model", "model"), ("budget_kind", "kind"), ("budget", "budget"), ("met", "met"),
             ("mem_ratio", "mem ratio"), ("lat_ratio", "lat ratio")]
     if a.part in ("a", "all"):
         for name in a.cpu_models.split(","):
-            for kind, b in CPU_BUDGETS:
+            for kind, b in only or CPU_BUDGETS:
                 r = cpu_row(name, kind, b, a.time_budget, a.reps)
                 rows.append(r)
                 print(table([r], cols + [("sim_mem_ratio", "sim mem"), ("sim_lat_ratio", "sim lat"),
@@ -109,7 +114,7 @@ def main(argv) -> int:
                                          ("applied", "applied"), ("seconds", "s")]), flush=True)
     if a.part in ("b", "all"):
         for name in a.paper_models.split(","):
-            for kind, b in PAPER_BUDGETS:
+            for kind, b in only or PAPER_BUDGETS:
                 r = paper_row(name, kind, b, a.time_budget, a.profile)
                 rows.append(r)
                 print(table([r], cols + [("peak_before_MiB", "before MiB"),
