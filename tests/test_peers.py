@@ -156,3 +156,86 @@ def test_check_counts_peer_points():
 def test_spread_keeps_both_ends():
     assert S.spread(list(range(10)), 4) == [0, 3, 6, 9]
     assert S.spread([1, 2], 6) == [1, 2]
+
+
+@pytest.fixture(scope="module")
+def swapping_plan():
+    """gpt tiny (dropout 0.1) and its lowest-peak plan under a 30% budget: swaps only."""
+    from magis_nb.search import optimize
+
+    case = zoo.build("gpt", "tiny")
+    res = optimize(case.model, case.inputs, loss_fn=case.loss_fn, mem_budget=0.3, max_states=40,
+                   time_budget=60)
+    plan = min(res.pareto, key=lambda p: p.peak)
+    return case, res, plan
+
+
+def _step_of(case, mod):
+    params = list(case.model.parameters())
+    return Candidate("", lambda: mod(*case.inputs), params, list(case.model.buffers()), trackable=False)
+
+
+def test_make_opaque_rewrites_every_swap_and_draw(swapping_plan):
+    # aot_eager: the rewrite and its numerics without inductor's C++ compile
+    from magis_nb.bench.peers_compile import compile_plan
+
+    case, res, plan = swapping_plan
+    log = {}
+    mod = compile_plan(res._builder.module(plan), "aot_eager", log=log)
+    [r] = measure(case, "magis+aot_eager", lambda c: [_step_of(c, mod)], reps=1)
+    torch._dynamo.reset()
+    assert r.error is None and r.allclose is True, r
+    n = len(mod._pools)
+    assert n > 0 and log["pools"] == log["stores"] == n and log["loads"] >= n
+    assert log["draws"] == 13  # gpt tiny: 4 layers x 3 dropouts + the embeddings' one
+
+
+@pytest.mark.slow
+def test_magis_plus_inductor_keeps_the_plan_and_eager_numerics(swapping_plan):
+    # Note [compiling a plan]: without the opaque Store/Load, inductor keeps every
+    # swapped tensor allocated (peak 4x the plan's), and fuses a dropout mask's
+    # reader ahead of its bernoulli_ (loss off by 1e-3)
+    import torch._inductor.config as iconfig
+
+    from magis_nb.bench.peers_compile import compile_plan
+
+    case, res, plan = swapping_plan
+    ref = Reference.of(case)
+    plain = res._builder.module(plan)
+    mod = compile_plan(res._builder.module(plan), "inductor")
+    saved = iconfig.fallback_random
+    iconfig.fallback_random = True
+    try:
+        rows = measure(case, "magis", lambda c: [_step_of(c, plain)], reps=1, ref=ref)
+        rows += measure(case, "magis+inductor", lambda c: [_step_of(c, mod)], reps=1, ref=ref)
+    finally:
+        iconfig.fallback_random = saved
+        torch._dynamo.reset()
+    plain_r, comp = rows
+    assert comp.error is None and comp.allclose is True and comp.max_err < 1e-5, comp
+    assert plain_r.peak < 0.5 * ref_peak(case), (plain_r.peak, ref_peak(case))
+    assert comp.peak <= 1.05 * plain_r.peak, (comp.peak, plain_r.peak)
+
+
+def ref_peak(case) -> int:
+    [r] = measure(case, "eager", S.eager, reps=1)
+    return r.peak
+
+
+def test_strategies_name_magis_plus_inductor():
+    runs = S.strategies(backend="aot_eager")
+    assert [k for k, _ in runs["magis+inductor"]] == [""]
+    assert "magis+inductor" in peers.PEERS and set(peers.OURS) == {"magis", "magis+inductor"}
+
+
+def test_check_counts_both_magis_strategies_as_the_front():
+    rows = [Result("m", "eager", "", peak=100, time=1.0, time_ratio=1.0),
+            Result("m", "compile", "budget=1.0", peak=80, time=0.7, time_ratio=0.7),
+            Result("m", "magis", "plan 1/1", peak=30, time=1.0, time_ratio=1.0),
+            Result("m", "magis+inductor", "plan 1/1", peak=79, time=0.69, time_ratio=0.69)]
+    add_ratios(rows)
+    acc = peers.check(rows, 0.02)["m"]
+    assert acc["peer_points"] == 2 and acc["dominates"] is True
+    acc = peers.check(rows[:3], 0.02)["m"]
+    assert acc["not_dominated"] == ["compile budget=1.0"]
+    assert acc["best_peak_ratio_within_10pct"] == 0.3

@@ -7,7 +7,9 @@ import os
 from .peers_harness import Result, pareto
 
 STYLE = {"eager": ("k", "o"), "checkpoint": ("tab:blue", "s"), "compile": ("tab:orange", "^"),
-         "rockmate": ("tab:purple", "v"), "magis": ("tab:green", "D")}
+         "rockmate": ("tab:purple", "v"), "magis": ("tab:green", "D"),
+         "magis+inductor": ("tab:red", "P")}
+OURS = ("magis", "magis+inductor")
 
 
 def plot_model(results: list[Result], model: str, path: str) -> str:
@@ -28,10 +30,10 @@ def plot_model(results: list[Result], model: str, path: str) -> str:
             for r in pts:
                 ax.annotate(r.setting.removeprefix("budget="), (r.time_ratio, r.peak / 2**20),
                             textcoords="offset points", xytext=(4, 4), fontsize=7, color=color)
-        if strat == "magis":
-            front = pareto([(r.peak, r.time_ratio) for r in pts])
-            ax.step([t for _, t in front], [p / 2**20 for p, _ in front], where="post",
-                    c=color, lw=1, alpha=0.6)
+    front = pareto([(r.peak, r.time_ratio) for r in rows if r.strategy in OURS])
+    if front:
+        ax.step([t for _, t in front], [p / 2**20 for p, _ in front], where="post",
+                c="tab:green", lw=1, alpha=0.6)
     ax.set_xlabel("step time / eager step time (median, timed side by side, 2 threads)")
     ax.set_ylabel("peak memory, MiB")
     ax.set_title(f"{model}: peak vs time per training step")

@@ -4,7 +4,8 @@ eager: PyTorch as written. checkpoint: `torch.utils.checkpoint` (non-reentrant)
 around each block. compile: `torch.compile` (inductor) with
 `torch._functorch.config.activation_memory_budget`. rockmate: Rockmate from PyPI,
 if it imports. magis: `magis_nb.optimize`, every point of a spread of its Pareto
-front. Every candidate trains the case's own parameters or a copy of them from
+front. magis+inductor: the same, each plan's generated program compiled by
+inductor (peers_compile.py). Every candidate trains the case's own parameters or a copy of them from
 the same initial state, so its loss and gradients can be held against eager's.
 """
 from __future__ import annotations
@@ -130,12 +131,19 @@ def spread(plans: list, k: int) -> list:
     return [plans[i] for i in idx]
 
 
-def magis(time_budget: float, points: int, lat_budget: float = 1.10):
+def magis(time_budget: float, points: int, lat_budget: float = 1.10, backend: str | None = None):
     """One search (lowest peak within ``lat_budget``), then up to ``points`` plans
-    of its Pareto front, each a candidate (its search time is every one's prep_s)."""
+    of its Pareto front, each a candidate (its search time is every one's prep_s).
+    ``backend``: compile each plan's program with it (`peers_compile.compile_plan`;
+    the first step compiles, as for torch.compile)."""
 
     def make(case) -> list[Candidate]:
         from ..search import optimize
+
+        if backend is not None:
+            import torch._inductor.config as iconfig
+
+            iconfig.fallback_random = True  # eager's dropout masks, as for the compile peers
 
         t0 = time.perf_counter()
         res = optimize(case.model, case.inputs, loss_fn=case.loss_fn, lat_budget=lat_budget,
@@ -147,10 +155,16 @@ def magis(time_budget: float, points: int, lat_budget: float = 1.10):
         for i, plan in enumerate(front):
             mod = res.module_for(plan)
             host = sum(t.numel() * t.element_size() for t in getattr(mod, "_pools", []))
+            extra = {}
+            if backend is not None:
+                from .peers_compile import compile_plan
+
+                extra["opaque"] = {}  # filled by the first step, which compiles
+                compile_plan(mod, backend, log=extra["opaque"])
             out.append(Candidate(
                 f"plan {i + 1}/{len(front)}", (lambda mod=mod: mod(*case.inputs)), params, buffers,
-                prep_s=prep, note=plan.applied,
-                extra={"sim_peak": plan.peak, "sim_latency": plan.latency,
+                prep_s=prep, note=plan.applied, trackable=backend is None,
+                extra={**extra, "sim_peak": plan.peak, "sim_latency": plan.latency,
                        "sim_peak_ratio": round(plan.peak / res.before.peak, 4),
                        "sim_lat_ratio": round(plan.latency / res.before.latency, 4),
                        "host_bytes": host, "pareto_size": len(res.pareto), "states": res.states}))
@@ -167,4 +181,5 @@ def strategies(magis_time: float = 60.0, magis_points: int = 6, backend: str = "
         "compile": [(str(b), compiled(b, backend)) for b in COMPILE_BUDGETS],
         "rockmate": [("", rockmate)],
         "magis": [("", magis(magis_time, magis_points))],
+        "magis+inductor": [("", magis(magis_time, magis_points, backend=backend))],
     }
