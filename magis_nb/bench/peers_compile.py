@@ -1,9 +1,10 @@
 """magis_nb's generated program compiled by inductor, its plan kept.
 
 `compile_plan(mod)` replaces an `OptimizedModule`'s step function with
-``torch.compile(step, backend=...)``, where the backend first rewrites the
-program's swaps and dropout draws into opaque custom ops (see Note [compiling a
-plan]) and then hands the graph to inductor. The module is used as before
+``torch.compile(step, backend=...)``; the module's swaps run through `HostOps`,
+whose copies are opaque custom ops, and the backend rewrites the program's
+dropout draws into one too (see Note [compiling a plan]) before it hands the
+graph to inductor. The module is used as before
 (``loss = mod(*inputs)``); the first call compiles.
 
 Note [compiling a plan]: inductor fuses the program's ops and re-plans its
@@ -11,7 +12,7 @@ buffers (each freed at its last use, in the program's order), so re-ordering,
 fission and rematerialization reach it as written. Two parts of a plan do not
 survive as plain ATen:
 
-- Swaps. A Store is ``copy_`` into a host buffer that is a graph input. AOTAutograd
+- Swaps. A Store is a ``copy_`` into a host buffer that is a graph input. AOTAutograd
   functionalizes it into a new tensor holding the copy (alive until the Load
   reads it) and writes the inputs back at the end of the graph, so the swapped
   bytes stay allocated all along: GPT at the bench size, a plan with 64 swaps
@@ -70,6 +71,22 @@ def _(after, size, stride, dtype, device, p):
     return torch.empty_strided(size, stride, dtype=dtype, device=device), after.new_empty(0)
 
 
+class HostOps:
+    """The generated program's copies (runtime.copies) as the opaque ops above."""
+
+    def store(self, k, pool, x):
+        torch.ops.magis_nb.store_to_host.default(pool, x)
+
+    def load(self, k, pool, dev):
+        return torch.ops.magis_nb.load_from_host.default(pool, dev)
+
+    def ready(self, k):
+        pass
+
+    def finish(self):
+        pass
+
+
 def _fresh(n) -> bool:
     """Is ``n`` a new, unfilled tensor (``empty_strided`` with its dtype and device)?"""
     return (isinstance(n, torch.fx.Node) and n.op == "call_function"
@@ -80,9 +97,10 @@ def _fresh(n) -> bool:
 
 
 def make_opaque(gm: torch.fx.GraphModule, example_inputs, pools) -> dict[str, int]:
-    """Rewrite ``gm`` (a dynamo graph of a generated step) in place: Stores into
-    ``pools`` and the Loads from them, and ``bernoulli_`` on a fresh mask, become
-    the custom ops above. Returns how many of each."""
+    """Rewrite ``gm`` (a dynamo graph of a generated step run with `HostOps`) in
+    place: ``bernoulli_`` on a fresh mask becomes the custom draw above. Returns
+    how many draws, and how many Stores into ``pools`` and Loads from them the
+    graph holds as opaque ops (every swap, or it raises)."""
     ptrs = {p.data_ptr() for p in pools}
     g = gm.graph
     phs = [n for n in g.nodes if n.op == "placeholder"]
@@ -93,18 +111,9 @@ def make_opaque(gm: torch.fx.GraphModule, example_inputs, pools) -> dict[str, in
     for n in list(g.nodes):
         if n.op != "call_function":
             continue
-        if n.target is aten.copy_.default and n.args[0] in pool_nodes:
-            with g.inserting_before(n):
-                g.call_function(torch.ops.magis_nb.store_to_host.default, (n.args[0], n.args[1]))
-            n.replace_all_uses_with(n.args[0])  # later reads of the buffer see the store
-            g.erase_node(n)
+        if n.target is torch.ops.magis_nb.store_to_host.default and n.args[0] in pool_nodes:
             counts["stores"] += 1
-        elif n.target is aten._to_copy.default and n.args[0] in pool_nodes and set(n.kwargs) == {"device"}:
-            with g.inserting_before(n):
-                new = g.call_function(torch.ops.magis_nb.load_from_host.default,
-                                      (n.args[0], n.kwargs["device"]))
-            n.replace_all_uses_with(new)
-            g.erase_node(n)
+        elif n.target is torch.ops.magis_nb.load_from_host.default and n.args[0] in pool_nodes:
             counts["loads"] += 1
         elif (n.target is aten.bernoulli_.float and not n.kwargs and _fresh(n.args[0])
               and len(n.args[0].users) == 1):
@@ -131,7 +140,7 @@ def make_opaque(gm: torch.fx.GraphModule, example_inputs, pools) -> dict[str, in
 
 def compile_plan(mod, backend: str = "inductor", log: dict | None = None):
     """Compile ``mod``'s generated step (an `OptimizedModule`, changed in place and
-    returned) with ``backend`` after `make_opaque`; ``log`` receives its counts."""
+    returned) with ``backend`` after `make_opaque`, its swaps through `HostOps`; ``log`` receives its counts."""
     from torch._dynamo.backends.registry import lookup_backend
 
     pools = list(getattr(mod, "_pools", []))
@@ -143,5 +152,6 @@ def compile_plan(mod, backend: str = "inductor", log: dict | None = None):
             log.update(counts)
         return inner(gm, example_inputs)
 
+    mod.copies = HostOps()
     mod._fn = torch.compile(mod._fn, backend=opaque_then, fullgraph=True)
     return mod

@@ -56,8 +56,13 @@ class OptimizedModule(nn.Module):
         self._swaps = bool(stores)
         self._copies = {}               # device -> copies object, made on first use
         self.timed_copies = False
+        # A copies object to use on every device instead (e.g. one whose copies are
+        # opaque custom ops, for torch.compile: bench/peers_compile.py).
+        self.copies = None
 
     def _io(self, dev: torch.device):
+        if self.copies is not None:
+            return self.copies
         key = (dev, self.timed_copies)
         if key not in self._copies:
             self._copies[key] = copies_for(dev, max(self._n_loads, 1), timed=self.timed_copies)
