@@ -39,6 +39,7 @@ SINGLE = 4                 # single-tensor rewrites proposed per state and rule
 BATCHES = (2, 4, 8, 16, 32, 64, 128)  # batch sizes proposed per state and rule
 ENABLE = 6                 # F-Tree candidates proposed for enabling per state
 QUEUE_CAP = 64             # states kept in the queue (the worst are dropped)
+EXPAND = 8                 # children evaluated per pop (see search)
 
 
 @dataclass
@@ -281,7 +282,18 @@ def search(space: Space, root: State, objective: Objective, *, time_budget: floa
             if time.perf_counter() - t0 > time_budget or (max_states and log.states >= max_states):
                 break
             st = heapq.heappop(queue)[-1]
-            for rule, plan, batches, touched in proposals(space, st):
+            # Partial expansion: a state's children are evaluated EXPAND at a time
+            # (biggest rewrites first) and the state goes back into the queue with
+            # the rest, so a child that improves is expanded before its siblings
+            # are all built: deep plans within the time budget, not just wide ones.
+            pending = st.meta.get("pending")
+            if pending is None:
+                pending = proposals(space, st)
+            chunk, st.meta["pending"] = pending[:EXPAND], pending[EXPAND:]
+            if st.meta["pending"]:
+                counter += 1
+                heapq.heappush(queue, (objective.key(st), rng.random(), counter, st))
+            for rule, plan, batches, touched in chunk:
                 if time.perf_counter() - t0 > time_budget or (max_states and log.states >= max_states):
                     break
                 if (plan, batches) in keys:
