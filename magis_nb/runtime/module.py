@@ -56,6 +56,7 @@ class OptimizedModule(nn.Module):
         self._swaps = bool(stores)
         self._copies = {}               # device -> copies object, made on first use
         self.timed_copies = False
+        self._last_dev = None           # the device of the last step that swapped
         # A copies object to use on every device instead (e.g. one whose copies are
         # opaque custom ops, for torch.compile: bench/peers_compile.py).
         self.copies = None
@@ -70,7 +71,7 @@ class OptimizedModule(nn.Module):
 
     def transfer_stats(self):
         """`TransferStats` of the last step (needs ``timed_copies = True`` on CUDA)."""
-        io = self._copies.get((self._last_dev, True)) if hasattr(self, "_last_dev") else None
+        io = self._copies.get((self._last_dev, True))
         if io is None or not hasattr(io, "stats"):
             raise RuntimeError("no timed CUDA step ran: set timed_copies = True and run a "
                                "step on a CUDA device first")
