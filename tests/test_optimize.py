@@ -146,6 +146,9 @@ def test_result_reports_what_was_applied(gpt_mem):
     assert tl.peak == p.peak and max(tl.total) == p.peak
     if p.swaps:
         assert max(tl.host) > 0
+    t = res.timings
+    assert set(t) == {"capture", "analysis", "search"} and min(t.values()) > 0
+    assert sum(t.values()) <= res.seconds
 
 
 def test_bad_arguments_are_refused_with_a_hint(gpt):

@@ -58,12 +58,21 @@ def result_html(r: OptimizeResult) -> str:
         ("fission", _fission(a)),
         ("re-materialized ops", _names(a.remat)),
         ("swapped to host", _names(a.swaps)),
-        ("search", f"{r.seconds:.1f} s, {r.states:,} states, {len(r.pareto)} Pareto plans{note}"),
+        ("search", f"{r.seconds:.1f} s, {r.states:,} states, {len(r.pareto)} Pareto plans{note}"
+                   + _phases(r)),
     ]
     body = "".join(f"<tr><th style='text-align:left;vertical-align:top'>{k}</th>"
                    f"<td style='text-align:left'>{v}</td></tr>" for k, v in rows)
     return (f"<div class='magis-result'><p><b>MAGIS</b> ({escape(r.mode)}): "
             f"{escape(r.message)}</p><table>{body}</table></div>")
+
+
+def _phases(r: OptimizeResult) -> str:
+    t = r.timings
+    if not t:
+        return ""
+    return (f" (capture {t['capture']:.1f} s, analysis {t['analysis']:.1f} s, "
+            f"search {t['search']:.1f} s)")
 
 
 def summary_table(r: OptimizeResult) -> str:

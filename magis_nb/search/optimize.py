@@ -163,6 +163,7 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
     t0 = time.perf_counter()
     cost, async_copies, label = _cost_model(device_profile, inputs)   # bad names fail fast
     program = trace(model, inputs, loss_fn=loss_fn, mode=mode)
+    t_capture = time.perf_counter()
     space = Space(program, cost, async_copies=async_copies)
     # The program as PyTorch runs it: its order, nothing applied.
     g = program.graph
@@ -183,6 +184,7 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
             progress(Progress(elapsed, float(time_budget), states, best.peak, best.latency,
                               before.peak, before.latency, done))
 
+    t_analysis = time.perf_counter()
     log = search(space, root, objective, time_budget=time_budget, seed=seed,
                  max_states=max_states, progress=report)
     if hasattr(cost, "save"):
@@ -192,5 +194,7 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
     res = OptimizeResult(mode, None, None, None, builder.plan_of(before), None,
                          [builder.plan_of(s) for s in front], False, "", label,
                          time.perf_counter() - t0, log.states, log.interrupted, builder)
+    res.timings = {"capture": t_capture - t0, "analysis": t_analysis - t_capture,
+                   "search": log.seconds}
     builder.select(res, mem_budget, lat_budget)
     return res

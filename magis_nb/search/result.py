@@ -100,11 +100,14 @@ class OptimizeResult:
     met: bool                       # the chosen plan meets the budget (in simulation)
     message: str                    # one line for the user, says when the budget was missed
     profile: str                    # cost model used for latency
-    seconds: float                  # search time
+    seconds: float                  # optimize() in all: capture, analysis, search
     states: int                     # states explored
     interrupted: bool = False       # stopped by KeyboardInterrupt: best so far returned
     _builder: Any = None            # the search's program (internal): builds modules/timelines
     _modules: dict = field(default_factory=dict)
+    # seconds spent in each phase: "capture" (export and IR), "analysis" (D-Graph,
+    # F-Tree, the unoptimized plan's costs), "search" (time_budget bounds this one)
+    timings: dict = field(default_factory=dict)
 
     # -- picking another plan -------------------------------------------------------
     def select(self, mem_budget: float | int | None = None,
