@@ -33,3 +33,13 @@ def test_cpu_dry_run_writes_the_report(tmp_path, one_thread):
     assert rows[2]["peak"] <= rows[1]["peak"]
     md = (tmp_path / "gpu.md").read_text()
     assert "| mlp | float32 | magis_nb | 0.3 |" in md
+
+
+def test_a_failing_model_is_recorded_and_the_run_goes_on(tmp_path):
+    rc = gpu.main(["--device", "cpu", "--size", "tiny", "--models", "nope", "--simcheck", "nope",
+                   "--out", str(tmp_path)])
+    assert rc == 1
+    rep = json.loads((tmp_path / "gpu.json").read_text())
+    for r in rep["simcheck"] + rep["compare"]:
+        assert r["model"] == "nope" and r["error"].startswith("KeyError") and not r["allclose"]
+    assert "failed: KeyError" in (tmp_path / "gpu.md").read_text()

@@ -112,29 +112,42 @@ def run_tests(root: Path) -> dict:
             "failures": [ln for ln in lines if ln.startswith("FAILED")][:10]}
 
 
+def _failed(model: str, exc: BaseException) -> dict:
+    """A row for a model whose check raised: the one-shot run goes on without it."""
+    return {"model": model, "error": f"{type(exc).__name__}: {exc}"[:500], "allclose": False}
+
+
 def simcheck(d: Device, names) -> list[dict]:
     rows = []
     for name in names:
-        case = zoo.build(name, "tiny", device=d.dev)
-        dt = case.dtype
-        prog = trace(case.model, case.inputs, loss_fn=case.loss_fn)
-        ref = copy.deepcopy(case.model)
-        mod = prog.module()
-        state = {k: v.detach().clone() for k, v in case.model.state_dict(keep_vars=True).items()}
-        torch.manual_seed(0)
-        mod(*case.inputs)                       # warm-up: kernels, cuBLAS workspace
-        _restore(case.model, state)
-        torch.manual_seed(0)
-        peak, _, got = d.peak(lambda: mod(*case.inputs), model_baseline(case.model, case.inputs))
-        torch.manual_seed(0)
-        want = eager_step(ref, case.inputs, case.loss_fn)
-        cmp = compare_models(ref, case.model, want, got, **TOL[dt])
-        sim = prog.simulate().peak
-        rows.append({"model": name, "sim_peak": sim, "measured_peak": peak,
-                     "rel_error": abs(peak - sim) / sim, "allclose": cmp.allclose,
-                     "max_abs_err": cmp.max_abs_err, "mismatches": cmp.mismatches[:3]})
-        del case, prog, ref, mod, state
+        try:
+            rows.append(_simcheck_one(d, name))
+        except Exception as e:  # noqa: BLE001 -- recorded in the report
+            rows.append(_failed(name, e))
+        if d.cuda:
+            torch.cuda.empty_cache()
     return rows
+
+
+def _simcheck_one(d: Device, name: str) -> dict:
+    case = zoo.build(name, "tiny", device=d.dev)
+    dt = case.dtype
+    prog = trace(case.model, case.inputs, loss_fn=case.loss_fn)
+    ref = copy.deepcopy(case.model)
+    mod = prog.module()
+    state = {k: v.detach().clone() for k, v in case.model.state_dict(keep_vars=True).items()}
+    torch.manual_seed(0)
+    mod(*case.inputs)                       # warm-up: kernels, cuBLAS workspace
+    _restore(case.model, state)
+    torch.manual_seed(0)
+    peak, _, got = d.peak(lambda: mod(*case.inputs), model_baseline(case.model, case.inputs))
+    torch.manual_seed(0)
+    want = eager_step(ref, case.inputs, case.loss_fn)
+    cmp = compare_models(ref, case.model, want, got, **TOL[dt])
+    sim = prog.simulate().peak
+    return {"model": name, "sim_peak": sim, "measured_peak": peak,
+            "rel_error": abs(peak - sim) / sim, "allclose": cmp.allclose,
+            "max_abs_err": cmp.max_abs_err, "mismatches": cmp.mismatches[:3]}
 
 
 def compare(d: Device, name: str, size: str, time_budget: float) -> list[dict]:
@@ -206,7 +219,7 @@ def compare(d: Device, name: str, size: str, time_budget: float) -> list[dict]:
 
 def _md(report: dict) -> str:
     out = [f"# bench gpu: {report['device_name']}", "",
-           f"torch {report['torch']}, {report['seconds']:.0f} s in all.", ""]
+           f"torch {report['torch']}, {report.get('seconds', 0):.0f} s in all.", ""]
     t = report.get("tests")
     if t:
         out += [f"GPU tests: `{t['summary']}` (rc {t['rc']}, {t['seconds']} s)", ""]
@@ -214,6 +227,9 @@ def _md(report: dict) -> str:
         out += ["## simcheck (tiny zoo, program order)", "",
                 "| model | simulated MiB | measured MiB | rel. error | allclose |", "|---|---|---|---|---|"]
         for r in report["simcheck"]:
+            if "error" in r:
+                out.append(f"| {r['model']} | failed: {r['error']} | | | False |")
+                continue
             out.append(f"| {r['model']} | {r['sim_peak'] / MiB:.2f} | {r['measured_peak'] / MiB:.2f} "
                        f"| {r['rel_error']:.4f} | {r['allclose']} |")
         out.append("")
@@ -222,6 +238,9 @@ def _md(report: dict) -> str:
             "sim. error | time ms | time/eager | allclose | swaps | transfer ms | hidden |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["compare"]:
+        if "error" in r:
+            out.append(f"| {r['model']} | | failed: {r['error']} |" + " |" * 11)
+            continue
         sim = f"{r['sim_peak'] / MiB:.1f}" if "sim_peak" in r else ""
         err = f"{r['sim_rel_error']:.4f}" if "sim_rel_error" in r else ""
         tr = f"{r['transfer_s'] * 1e3:.2f}" if "transfer_s" in r else ""
@@ -258,30 +277,41 @@ def main(argv) -> int:
               "device_name": torch.cuda.get_device_name(d.dev) if d.cuda else "cpu",
               "tf32": False}
     root = Path(__file__).resolve().parents[2]
+    report["simcheck"], report["compare"] = [], []
+
+    def write():
+        # after every phase: a run cut short still leaves what it measured
+        report["seconds"] = time.perf_counter() - t0
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "gpu.json"), "w") as f:
+            json.dump(report, f, indent=1, default=str)
+        with open(os.path.join(a.out, "gpu.md"), "w") as f:
+            f.write(_md(report))
+
     if d.cuda and not a.no_tests:
         report["tests"] = run_tests(root)
         print("tests:", report["tests"]["summary"], flush=True)
+        write()
     report["simcheck"] = simcheck(d, [n for n in a.simcheck.split(",") if n])
     for r in report["simcheck"]:
-        print(f"simcheck {r['model']}: rel err {r['rel_error']:.4f} allclose {r['allclose']}", flush=True)
-    report["compare"] = []
+        print(f"simcheck {r['model']}: " + (r["error"] if "error" in r else
+              f"rel err {r['rel_error']:.4f} allclose {r['allclose']}"), flush=True)
+    write()
     for name in a.models.split(","):
-        rows = compare(d, name, a.size, a.time_budget)
+        try:
+            rows = compare(d, name, a.size, a.time_budget)
+        except Exception as e:  # noqa: BLE001 -- recorded in the report
+            rows = [_failed(name, e)]
         report["compare"] += rows
         for r in rows:
-            print(f"{name} {r['strategy']} {r['budget']}: peak {r['peak_ratio']:.3f} "
+            print(f"{name}: {r['error']}" if "error" in r else
+                  f"{name} {r['strategy']} {r['budget']}: peak {r['peak_ratio']:.3f} "
                   f"time {r['time_ratio']:.3f} allclose {r['allclose']}"
                   + (f" hidden {r['hidden']:.2f}" if "hidden" in r else ""), flush=True)
         if d.cuda:
             torch.cuda.empty_cache()
-    report["seconds"] = time.perf_counter() - t0
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "gpu.json"), "w") as f:
-        json.dump(report, f, indent=1, default=str)
-    md = _md(report)
-    with open(os.path.join(a.out, "gpu.md"), "w") as f:
-        f.write(md)
-    print(md)
+        write()
+    print(_md(report))
     bad = [r for r in report["simcheck"] if not r["allclose"]] + \
           [r for r in report["compare"] if not r["allclose"]]
     return 1 if bad else 0
