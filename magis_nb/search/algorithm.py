@@ -46,26 +46,6 @@ EXPAND = 8                 # children evaluated per pop (see search)
 class Objective:
     kind: str                  # "mem" | "lat"
     limit: float               # bytes | seconds
-    # mem mode: the latency the search has paid per byte of peak it removed (the
-    # median over the rewrites seen so far), to order the queue by; see priority
-    paid: list = field(default_factory=list)
-
-    def priority(self, s: State) -> tuple:
-        """Queue order. With a latency limit, `key`. With a memory limit, a state
-        over the budget is ranked by the latency it would end at: its own, plus its
-        excess bytes priced at what removing a byte has cost so far. Ranking by
-        peak alone dives into the biggest rewrites and reaches the budget far
-        slower than need be (BERT at mem 0.8: x1.087, where lat 1.05 had found a
-        plan at 0.50 of the peak)."""
-        if self.kind != "mem" or not self.paid:
-            return self.key(s)
-        rate = sorted(self.paid)[len(self.paid) // 2]
-        return (s.latency + rate * max(0.0, s.peak - self.limit), s.peak)
-
-    def observe(self, parent: State, child: State) -> None:
-        if self.kind == "mem" and parent.peak > self.limit and child.peak < parent.peak:
-            self.paid.append(max(0.0, child.latency - parent.latency) / (parent.peak - child.peak))
-            del self.paid[:-64]
 
     def key(self, s: State, relax: float = 1.0) -> tuple:
         if self.kind == "mem":
@@ -287,7 +267,7 @@ def search(space: Space, root: State, objective: Objective, *, time_budget: floa
     keys = {root.key}
     counter = 0
     # entries: (key, seeded tie-break, insertion count, state)
-    queue = [(objective.priority(root), rng.random(), counter, root)]
+    queue = [(objective.key(root), rng.random(), counter, root)]
     last = 0.0
 
     def tick(done=False):
@@ -312,7 +292,7 @@ def search(space: Space, root: State, objective: Objective, *, time_budget: floa
             chunk, st.meta["pending"] = pending[:EXPAND], pending[EXPAND:]
             if st.meta["pending"]:
                 counter += 1
-                heapq.heappush(queue, (objective.priority(st), rng.random(), counter, st))
+                heapq.heappush(queue, (objective.key(st), rng.random(), counter, st))
             for rule, plan, batches, touched in chunk:
                 if time.perf_counter() - t0 > time_budget or (max_states and log.states >= max_states):
                     break
@@ -338,10 +318,9 @@ def search(space: Space, root: State, objective: Objective, *, time_budget: floa
                 log.pareto = _pareto_add(log.pareto, child)
                 if objective.better(child, log.best):
                     log.best = child
-                objective.observe(st, child)
                 if objective.better(child, log.best, RELAX):
                     counter += 1
-                    heapq.heappush(queue, (objective.priority(child), rng.random(), counter, child))
+                    heapq.heappush(queue, (objective.key(child), rng.random(), counter, child))
                     if len(queue) > QUEUE_CAP:
                         queue = heapq.nsmallest(QUEUE_CAP // 2, queue)
                         heapq.heapify(queue)
