@@ -71,26 +71,34 @@ class CudaCopies:
     def _compute(self):
         return torch.cuda.current_stream(self.device)
 
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """One transfer, issued on the copy stream (the caller made it current)."""
+        dst.copy_(src, non_blocking=True)
+
+    def _wait(self, k: int, wait) -> None:
+        """Make compute wait (``wait``); ``k``: the swap, -1 for finish."""
+        wait()
+
     def store(self, k: int, pool: torch.Tensor, x: torch.Tensor) -> None:
         self.stream.wait_stream(self._compute())
         with torch.cuda.stream(self.stream):
-            pool.copy_(x, non_blocking=True)
+            self._copy(pool, x)
         x.record_stream(self.stream)
 
     def load(self, k: int, pool: torch.Tensor, dev) -> torch.Tensor:
         y = torch.empty(pool.shape, dtype=pool.dtype, device=self.device)
         self.stream.wait_stream(self._compute())
         with torch.cuda.stream(self.stream):
-            y.copy_(pool, non_blocking=True)
+            self._copy(y, pool)
             self.done[k].record(self.stream)
         return y
 
     def ready(self, k: int) -> None:
-        self._compute().wait_event(self.done[k])
+        self._wait(k, lambda: self._compute().wait_event(self.done[k]))
 
     def finish(self) -> None:
         # results (and the next call's reuse of the buffers) follow every copy
-        self._compute().wait_stream(self.stream)
+        self._wait(-1, lambda: self._compute().wait_stream(self.stream))
 
 
 @dataclass
@@ -126,39 +134,19 @@ class TimedCudaCopies(CudaCopies):
     def _ev(self):
         return torch.cuda.Event(enable_timing=True)
 
-    def _timed_copy(self, dst, src):
+    def _copy(self, dst, src):
         a, b = self._ev(), self._ev()
         a.record(self.stream)
-        dst.copy_(src, non_blocking=True)
+        super()._copy(dst, src)
         b.record(self.stream)
         self._copy_ev.append((a, b))
 
-    def store(self, k, pool, x):
-        self.stream.wait_stream(self._compute())
-        with torch.cuda.stream(self.stream):
-            self._timed_copy(pool, x)
-        x.record_stream(self.stream)
-
-    def load(self, k, pool, dev):
-        y = torch.empty(pool.shape, dtype=pool.dtype, device=self.device)
-        self.stream.wait_stream(self._compute())
-        with torch.cuda.stream(self.stream):
-            self._timed_copy(y, pool)
-            self.done[k].record(self.stream)
-        return y
-
-    def _timed_wait(self, k, wait):
+    def _wait(self, k, wait):
         a, b = self._ev(), self._ev()
         a.record(self._compute())
         wait()
         b.record(self._compute())
         self._wait_ev.append((k, a, b))
-
-    def ready(self, k):
-        self._timed_wait(k, lambda: self._compute().wait_event(self.done[k]))
-
-    def finish(self):
-        self._timed_wait(-1, lambda: self._compute().wait_stream(self.stream))
 
     def stats(self) -> TransferStats:
         torch.cuda.synchronize(self.device)
