@@ -45,7 +45,7 @@ def run(ip, src):
 def magis(ip, flags="", body=MODEL):
     ip.user_ns.clear()
     ip.user_ns.update({"__name__": "__main__", "__builtins__": __builtins__})
-    return run(ip, f"%%magis --time 2 {flags}\n{body}")
+    return run(ip, f"%%magis --time 4 {flags}\n{body}")
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +138,7 @@ def _untouched(ip, flags, body, msg):
     ip.user_ns.clear()
     ip.user_ns.update({"__name__": "__main__", "__builtins__": __builtins__,
                        "model_opt": sentinel, "keep": 1})
-    res, out = run(ip, f"%%magis --time 2 {flags}\n{body}")
+    res, out = run(ip, f"%%magis --time 4 {flags}\n{body}")
     assert isinstance(res.error_in_exec, UsageError), (res.error_in_exec, out.stdout)
     assert msg in str(res.error_in_exec), str(res.error_in_exec)
     assert ip.user_ns["model_opt"] is sentinel and "model_opt_result" not in ip.user_ns

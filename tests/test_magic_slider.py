@@ -24,7 +24,7 @@ def kernel_run():
         ip.user_ns.clear()
         ip.user_ns.update({"__name__": "__main__", "__builtins__": __builtins__})
         with capture_output() as out:
-            res = ip.run_cell(f"%%magis --time 2 --mem 0.6\n{MODEL}")
+            res = ip.run_cell(f"%%magis --time 4 --mem 0.6\n{MODEL}")
     finally:
         progress.in_kernel = real
     assert res.error_in_exec is None, out.stdout + out.stderr
@@ -51,7 +51,7 @@ def test_progress_widget_reached_done(kernel_run):
                if isinstance(m, w.FloatProgress) and m.description in ("done", "failed"))
     assert bar.description == "done" and bar.bar_style == "success" and bar.value == bar.max
     r = ip.user_ns["model_opt_result"]
-    assert bar.max == 2.0 and r.states > 0
+    assert bar.max == 4.0 and r.states > 0
 
 
 def test_slider_moves_plan_and_rebinds(kernel_run):

@@ -5,7 +5,9 @@ above M rank by peak). Latency limit L: minimize peak among states with latency
 <= L (states above L rank by latency). ``better(a, b, relax)`` is the seed's
 BetterThan: the lexicographic key of ``a`` against ``b``'s key scaled by
 ``relax``; a child enters the queue when it is better than the best so far
-relaxed by 1.1, so slightly worse states stay explorable.
+relaxed by 1.1, so slightly worse states stay explorable. Under a memory limit
+the search is steered by a latency target that climbs until M is met (see
+`_Ladder`), while the mode's own order keeps one turn in DIVE_EVERY.
 
 Which rewrites a state proposes (the seed's heuristic H2): only tensors live at
 the peak. Swap and remat act on the cheapest of them per byte saved (see
@@ -40,6 +42,11 @@ BATCHES = (2, 4, 8, 16, 32, 64, 128)  # batch sizes proposed per state and rule
 ENABLE = 6                 # F-Tree candidates proposed for enabling per state
 QUEUE_CAP = 64             # states kept in the queue (the worst are dropped)
 EXPAND = 8                 # children evaluated per pop (see search)
+LADDER_START = 1.05        # a memory-budget search's first latency target (see _Ladder)
+LADDER_STEP = 1.1
+LADDER_MAX = 4.0
+DIVE_EVERY = 4             # a memory-budget search's dive turn while the ladder runs
+WINDOW = 2 * EXPAND        # states over which the ladder measures its pace
 
 
 @dataclass
@@ -256,6 +263,107 @@ def proposals(space: Space, st: State) -> list[tuple[str, tuple, tuple, set]]:
     return out
 
 
+class _Queue:
+    """States waiting to be expanded, ranked and admitted by an objective; the
+    QUEUE_CAP // 2 best are kept when it grows past QUEUE_CAP."""
+
+    def __init__(self, objective: Objective):
+        self.objective = objective
+        self.heap: list = []      # (key, seeded tie-break, insertion count, state)
+
+    def push(self, st: State, tie: float, count: int) -> None:
+        heapq.heappush(self.heap, (self.objective.key(st), tie, count, st))
+        if len(self.heap) > QUEUE_CAP:
+            self.heap = heapq.nsmallest(QUEUE_CAP // 2, self.heap)
+            heapq.heapify(self.heap)
+
+    def pop(self) -> State | None:
+        while self.heap:
+            st = heapq.heappop(self.heap)[-1]
+            if st.meta.get("pending") != []:   # [] = fully expanded from another queue
+                return st
+        return None
+
+    def steer(self, objective: Objective, more=()) -> None:
+        """Rank (and later admit) by ``objective``, with ``more`` entries added."""
+        self.objective = objective
+        self.heap = [(objective.key(e[-1]),) + e[1:] for e in list(self.heap) + list(more)]
+        heapq.heapify(self.heap)
+
+
+class _Ladder:
+    """How a memory-budget search steers until a plan meets the budget.
+
+    Ranking the states over the budget by peak (the mode's own order) reaches the
+    budget through the biggest rewrites, and once a plan meets it the relaxed
+    BetterThan admits only states near that plan: at mem 0.4 the search returned
+    plans at x1.4-x3.7 latency where a latency-budget search at 1.10 found plans
+    at or under 0.4 (see README). So the search first runs as a latency-budget
+    search (minimize the peak under a latency target). The target starts at
+    LADDER_START x the unrewritten latency and rises by LADDER_STEP whenever the
+    best peak under it, lowered at the pace of the last WINDOW states for the
+    states the time left allows, would not reach the memory budget. The first
+    plan that meets the budget hands the search to the mode's own order; past
+    LADDER_MAX the ladder gives up and the mode's own order dives for the peak.
+    """
+
+    def __init__(self, root: State, limit: float):
+        self.base, self.limit = root.latency, limit
+        self.ratio = LADDER_START
+        self.target = Objective("lat", self.ratio * self.base)
+        self.best = root
+        self.peaks: list[int] = []       # best peak under the target after each state
+
+    def behind(self, child: State, states_left: float) -> bool:
+        """Count ``child``; True when the target should rise."""
+        if self.target.better(child, self.best):
+            self.best = child
+        self.peaks.append(self.best.peak)
+        if len(self.peaks) <= WINDOW:
+            return False
+        pace = (self.peaks[-WINDOW - 1] - self.peaks[-1]) / WINDOW
+        return self.peaks[-1] - pace * states_left > self.limit
+
+    def climb(self, front: list[State]) -> bool:
+        """Raise the target: by LADDER_STEP, or up to the fastest state seen with a
+        lower peak than the best under it, if that is further (a small model
+        searched for 2 s has no states to spend on many small steps). False once
+        past LADDER_MAX (the ladder is done)."""
+        lower = [o.latency for o in front if o.peak < self.best.peak]
+        self.ratio = max(self.ratio * LADDER_STEP, min(lower, default=0.0) / self.base)
+        self.target = Objective("lat", self.ratio * self.base)
+        self.best = min(front, key=self.target.key)
+        self.peaks = []
+        return self.ratio <= LADDER_MAX
+
+
+def _climb(ladder: _Ladder, climbing: _Queue, queue: _Queue, child: State, log: SearchLog,
+           counter: int, states_left: float) -> tuple[_Queue | None, int]:
+    """The ladder's step after ``child``: (its queue, or None once it is done; counter)."""
+    if ladder.behind(child, states_left):
+        if not ladder.climb(log.pareto):
+            return None, counter              # past LADDER_MAX: the dive goes on alone
+        # states the old target turned away may fit the new one
+        more = []
+        for o in log.pareto:
+            if o.latency <= ladder.target.limit and o.meta.get("pending") != []:
+                counter += 1
+                more.append((None, 0.0, counter, o))
+        climbing.steer(ladder.target, more)
+    if ladder.best.peak <= ladder.limit:
+        # met under the target: the mode's own order, from the ladder's states
+        queue.steer(queue.objective, climbing.heap)
+        return None, counter
+    return climbing, counter
+
+
+def _states_left(log: SearchLog, t0: float, time_budget: float, max_states: int | None) -> float:
+    """How many more states the budget allows, at the pace so far."""
+    spent = time.perf_counter() - t0
+    left = (time_budget - spent) * log.states / max(spent, 1e-9)
+    return min(left, max_states - log.states) if max_states else left
+
+
 def search(space: Space, root: State, objective: Objective, *, time_budget: float,
            seed: int = 0, max_states: int | None = None,
            progress: Callable[[State, int, float, bool], None] | None = None,
@@ -266,8 +374,18 @@ def search(space: Space, root: State, objective: Objective, *, time_budget: floa
     seen = {root.digest}
     keys = {root.key}
     counter = 0
-    # entries: (key, seeded tie-break, insertion count, state)
-    queue = [(objective.key(root), rng.random(), counter, root)]
+    queue = _Queue(objective)
+    queue.push(root, rng.random(), counter)
+    # Under a memory budget, the ladder's queue has three turns in four until a
+    # plan under its latency target meets the budget; the mode's own queue
+    # keeps diving for the peak in the fourth, so a short search still gets
+    # under the budget when the ladder is too slow to.
+    ladder = _Ladder(root, objective.limit) if objective.kind == "mem" else None
+    climbing = None
+    if ladder is not None:
+        climbing = _Queue(ladder.target)
+        climbing.push(root, rng.random(), counter)
+    turn = 0
     last = 0.0
 
     def tick(done=False):
@@ -277,11 +395,18 @@ def search(space: Space, root: State, objective: Objective, *, time_budget: floa
             last = now
             progress(log.best, log.states, now, done)
 
+    def out_of_time() -> bool:
+        return time.perf_counter() - t0 > time_budget or bool(max_states and log.states >= max_states)
+
     try:
-        while queue:
-            if time.perf_counter() - t0 > time_budget or (max_states and log.states >= max_states):
+        while not out_of_time():
+            turn += 1
+            q = climbing if climbing is not None and turn % DIVE_EVERY else queue
+            st = q.pop()
+            if st is None and q is climbing:
+                q, st = queue, queue.pop()
+            if st is None:
                 break
-            st = heapq.heappop(queue)[-1]
             # Partial expansion: a state's children are evaluated EXPAND at a time
             # (biggest rewrites first) and the state goes back into the queue with
             # the rest, so a child that improves is expanded before its siblings
@@ -292,9 +417,9 @@ def search(space: Space, root: State, objective: Objective, *, time_budget: floa
             chunk, st.meta["pending"] = pending[:EXPAND], pending[EXPAND:]
             if st.meta["pending"]:
                 counter += 1
-                heapq.heappush(queue, (objective.key(st), rng.random(), counter, st))
+                q.push(st, rng.random(), counter)
             for rule, plan, batches, touched in chunk:
-                if time.perf_counter() - t0 > time_budget or (max_states and log.states >= max_states):
+                if out_of_time():
                     break
                 if (plan, batches) in keys:
                     continue
@@ -318,12 +443,15 @@ def search(space: Space, root: State, objective: Objective, *, time_budget: floa
                 log.pareto = _pareto_add(log.pareto, child)
                 if objective.better(child, log.best):
                     log.best = child
+                counter += 1
+                tie = rng.random()
                 if objective.better(child, log.best, RELAX):
-                    counter += 1
-                    heapq.heappush(queue, (objective.key(child), rng.random(), counter, child))
-                    if len(queue) > QUEUE_CAP:
-                        queue = heapq.nsmallest(QUEUE_CAP // 2, queue)
-                        heapq.heapify(queue)
+                    queue.push(child, tie, counter)
+                if climbing is not None:
+                    climbing, counter = _climb(ladder, climbing, queue, child, log, counter,
+                                               _states_left(log, t0, time_budget, max_states))
+                    if climbing is not None and ladder.target.better(child, ladder.best, RELAX):
+                        climbing.push(child, tie, counter)
                 tick()
     except KeyboardInterrupt:
         log.interrupted = True
