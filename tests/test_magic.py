@@ -63,7 +63,7 @@ def test_load_unload_and_help():
     assert shell.find_cell_magic("magis") and shell.find_line_magic("magis_budget")
     doc = shell.find_cell_magic("magis").__doc__
     for flag in ("--model", "--inputs", "--loss", "--mode", "--mem", "--lat", "--time",
-                 "--profile", "-o", "-q", "--no-plot"):
+                 "--profile", "-o", "-q", "--no-plot", "--no-algebra"):
         assert flag in doc
     with capture_output() as out:
         shell.run_cell("%%magis?\n")
@@ -107,8 +107,9 @@ def test_output_name_quiet_no_plot(ip):
     assert res.error_in_exec is None
     assert "small" in ip.user_ns and "small_result" in ip.user_ns and "model_opt" not in ip.user_ns
     assert out.stdout == "" and out.stderr == "" and out.outputs == []
-    res, out = magis(ip, "--no-plot --lat 1.5 --mode train")
+    res, out = magis(ip, "--no-plot --lat 1.5 --mode train --no-algebra")
     assert res.error_in_exec is None and ip.user_ns["model_opt_result"].budget_kind == "lat"
+    assert ip.user_ns["model_opt_result"]._builder.space.algebra is False
     assert "| after |" in out.stdout
     assert not [o for o in out.outputs if "image/png" in o.data]
 

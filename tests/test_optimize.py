@@ -164,6 +164,19 @@ def test_result_reports_what_was_applied(gpt_mem):
     assert sum(t.values()) <= res.seconds
 
 
+def test_algebra_off_switch_reaches_the_search():
+    """optimize(algebra=False) (%%magis --no-algebra) proposes no merge or sink."""
+    from magis_nb.search.algorithm import proposals
+    case = zoo.build("gpt", "tiny")
+    for on in (True, False):
+        res = magis_nb.optimize(case.model, case.inputs, loss_fn=case.loss_fn,
+                                device_profile=PROFILE, time_budget=60, max_states=2, algebra=on)
+        space = res._builder.space
+        root = space.evaluate((), (), space.program.graph)
+        kinds = {r.rstrip("x0123456789") for r, *_ in proposals(space, root)}
+        assert ({"merge", "sink"} <= kinds) == on, kinds
+
+
 def test_bad_arguments_are_refused_with_a_hint(gpt):
     with pytest.raises(ValueError, match="not both"):
         magis_nb.optimize(gpt.model, gpt.inputs, loss_fn=gpt.loss_fn, mem_budget=0.5, lat_budget=1.1)

@@ -32,6 +32,7 @@ class MagisFlags:
     out: str | None = None
     quiet: bool = False
     plot: bool = True
+    algebra: bool = True
 
 
 def parse_mem(text: str | None) -> float | int | None:
@@ -121,4 +122,5 @@ def from_args(args) -> MagisFlags:
         out=check_identifier("-o", args.out),
         quiet=args.quiet,
         plot=not args.no_plot,
+        algebra=not args.no_algebra,
     )

@@ -40,6 +40,9 @@ class MagisMagics(Magics):
     @argument("-q", dest="quiet", action="store_true", help="quiet: no progress, report or plots")
     @argument("--no-plot", dest="no_plot", action="store_true",
               help="no figures (report and slider still shown)")
+    @argument("--no-algebra", dest="no_algebra", action="store_true",
+              help="no algebraic rewrites (merged matmuls, moved scales): the plan's "
+              "ops stay those of the model")
     @cell_magic
     def magis(self, line, cell):
         """Run the cell, then optimize the model it defined for memory (MAGIS).
@@ -72,7 +75,8 @@ class MagisMagics(Magics):
         try:
             result = optimize(found.model, found.inputs, loss_fn=found.loss_fn, mode=args.mode,
                               mem_budget=args.mem, lat_budget=args.lat, time_budget=args.time,
-                              device_profile=args.profile, progress=progress)
+                              device_profile=args.profile, progress=progress,
+                              algebra=args.algebra)
         except CaptureError as e:
             if progress is not None:
                 progress.close(failed="capture failed")
