@@ -23,7 +23,7 @@ from ..rules.algebra import merge_all, why_not_merge
 from ..rules.remat import can_rematerialize, rematerialize_all, written_in_place
 from ..rules.scale import sink_all, why_not_sink
 from ..rules.swap import swap_all
-from ..schedule import reschedule, schedule
+from ..schedule import BlockCache, reschedule, schedule
 from ..simulate.latency import simulate_latency
 from ..simulate.memory import simulate_memory
 from .transfers import is_load, is_store, place_transfers, transfers_of
@@ -122,6 +122,7 @@ class Space:
         self._algebra: dict[tuple, list] = {}
         self.base = program.graph
         self.costs = _CostTable(cost)
+        self.blocks = BlockCache()  # a child's blocks are mostly its parent's
         self.async_copies = async_copies
         self.dg = DGraph(self.base)
         self.cands = build_ftree(self.dg, program.hotspots(), levels=levels)
@@ -197,9 +198,9 @@ class Space:
                  digest: bytes | None = None) -> State:
         mg, op_ids, refs = graph.memgraph()
         if parent is not None and touched and _local(parent.sched_names, touched):
-            s = reschedule(mg, parent.sched_names, touched)
+            s = reschedule(mg, parent.sched_names, touched, cache=self.blocks)
         else:
-            s = schedule(mg)
+            s = schedule(mg, cache=self.blocks)
         nodes = [op_ids[i] for i in s.order]
         dur = lambda v: self.costs.of(graph, v)  # noqa: E731
         index = {nid: i for i, nid in enumerate(op_ids)}
