@@ -12,6 +12,7 @@ Stores and Loads placed to hide transfers, and simulated for memory and latency.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -86,11 +87,16 @@ class State:
 
 class _CostTable:
     """Op seconds cached by (name, target, shapes): unchanged ops keep their names
-    across rewrites, so most of a child's ops are already known."""
+    across rewrites, so most of a child's ops are already known. Per graph, the
+    seconds are also kept by node id: a state's evaluation, its transfer placement
+    and its children's ranking ask for every op of the same graph again, and
+    building the key is most of a lookup's cost."""
 
     def __init__(self, cost):
         self.cost = cost
         self.table: dict[tuple, float] = {}
+        self._by_graph: weakref.WeakKeyDictionary[Graph, dict[int, float]] = \
+            weakref.WeakKeyDictionary()
 
     def key(self, g: Graph, nid: int) -> tuple:
         n = g.nodes[nid]
@@ -99,10 +105,16 @@ class _CostTable:
         return (n.name, n.target, ins, outs)
 
     def of(self, g: Graph, nid: int) -> float:
-        k = self.key(g, nid)
-        v = self.table.get(k)
+        known = self._by_graph.get(g)
+        if known is None:
+            known = self._by_graph[g] = {}
+        v = known.get(nid)
         if v is None:
-            v = self.table[k] = float(self.cost.op_cost(g, nid))
+            k = self.key(g, nid)
+            v = self.table.get(k)
+            if v is None:
+                v = self.table[k] = float(self.cost.op_cost(g, nid))
+            known[nid] = v
         return v
 
     def op_cost(self, g: Graph, node) -> float:      # CostModel protocol, for the simulator
