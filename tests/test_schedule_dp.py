@@ -1,7 +1,7 @@
 """Exact peaks of the DP scheduler on small graphs of 1 MiB-sized storages."""
 import itertools
 
-from magis_nb.schedule import schedule, solve_block
+from magis_nb.schedule import BlockCache, schedule, solve_block
 from magis_nb.schedule.context import block_problems
 from magis_nb.schedule.random_graphs import transformer_like
 from magis_nb.simulate.memory import MemGraph, Storage, peak_memory, simulate_memory
@@ -71,6 +71,23 @@ def test_block_in_context():
     full = [0] + [p.ops[i] for i in r.order] + [6]
     tl = simulate_memory(g, full)
     assert max(tl.live[1:6]) == r.peak and tl.peak == 8 * MiB == brute_force(g)
+
+
+def test_block_cache_ignores_base():
+    """A cached block solved at one base serves another: same order, the peak
+    moved by the difference; the schedule is the uncached one."""
+    g = two_branches(after=True)
+    p = block_problems(g, [0, 1, 1, 1, 1, 1, 2], {1: [1, 2, 3, 4, 5]}, 3)[1]
+    cache = BlockCache()
+    first = cache.solve(p, [0, 1, 2, 3, 4], 1000)
+    p.base += 7 * MiB
+    again = cache.solve(p, [0, 1, 2, 3, 4], 1000)
+    fresh = solve_block(p, [0, 1, 2, 3, 4], budget=1000)
+    assert len(cache.table) == 1
+    assert again.order == first.order == fresh.order
+    assert again.peak == first.peak + 7 * MiB == fresh.peak
+    big = transformer_like(20)
+    assert schedule(big, cache=cache).order == schedule(big).order
 
 
 def test_chain_and_unused_output():

@@ -14,7 +14,7 @@ are single nodes with several outputs; FX's getitem nodes are folded into refs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import rustworkx as rx
 
@@ -56,15 +56,39 @@ class Node:
     region: tuple = ()              # fission: (region id, part k) of an op in a split region
 
 
-def iter_refs(obj) -> Iterator[Ref]:
+def iter_refs(obj) -> list[Ref]:
+    """The Refs in an args structure, depth first. A list rather than a generator:
+    every graph pass walks every node's args, and nested generators cost several
+    times more than one recursive fill."""
+    out: list[Ref] = []
+    _collect_refs(obj, out)
+    return out
+
+
+def _collect_refs(obj, out: list[Ref]) -> None:
     if isinstance(obj, Ref):
-        yield obj
+        out.append(obj)
     elif isinstance(obj, (list, tuple)):
         for o in obj:
-            yield from iter_refs(o)
+            if isinstance(o, Ref):
+                out.append(o)
+            elif isinstance(o, (list, tuple, dict)):
+                _collect_refs(o, out)
     elif isinstance(obj, dict):
         for o in obj.values():
-            yield from iter_refs(o)
+            _collect_refs(o, out)
+
+
+def remap_refs(obj, table: dict[Ref, Ref]):
+    """``map_refs`` with a table (Refs not in it stay): the Rewriter's copy, run
+    for every node of every rewritten graph, without map_refs' callback and counter."""
+    if isinstance(obj, Ref):
+        return table.get(obj, obj)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)([remap_refs(o, table) for o in obj])
+    if isinstance(obj, dict):
+        return {k: remap_refs(v, table) for k, v in obj.items()}
+    return obj
 
 
 def map_refs(obj, fn, counter=None):
@@ -82,30 +106,55 @@ def map_refs(obj, fn, counter=None):
 
 
 class Graph:
-    """Nodes in a deterministic order (ids are positions); edges in a PyDiGraph."""
+    """Nodes in a deterministic order (ids are positions); edges derived from their args."""
 
     def __init__(self, nodes: list[Node], outputs: list[Ref], output_roles: list[tuple]):
         self.nodes = nodes
         self.outputs = outputs
         self.output_roles = output_roles
-        self.dag = rx.PyDiGraph(check_cycle=False, multigraph=False)
-        self.dag.add_nodes_from([n.id for n in nodes])
+        # Edges, storages and readers are derived on first use: a rewrite that
+        # prunes dead views builds a graph only to copy it again.
+        self._edges: list[tuple[int, int]] | None = None
+        self._preds: list[list[int]] = []
+        self._succs: list[list[int]] = []
+        self._dag: rx.PyDiGraph | None = None
+        self._storage: dict[Ref, Ref] | None = None
+        self._readers: dict[Ref, set[int]] | None = None
+
+    # -- structure ---------------------------------------------------------
+    def _link(self) -> None:
+        """Edges (data, deps, RNG order) and the sorted predecessor and successor
+        lists that memgraph and the transfer placement ask for every op."""
         edges = set()
-        for n in nodes:
+        for n in self.nodes:
             for r in iter_refs((n.args, n.kwargs)):
                 edges.add((r.node, n.id))
             for d in n.deps:
                 edges.add((d, n.id))
         # RNG ops keep their program order in every schedule, so a re-ordered
         # program draws the same random numbers as eager PyTorch (same dropout masks).
-        rng = [n.id for n in nodes if n.rng]
+        rng = [n.id for n in self.nodes if n.rng]
         for a, b in zip(rng, rng[1:]):
             edges.add((a, b))
-        self.dag.add_edges_from_no_data(sorted(edges))
-        self._storage = self._resolve_storages()
-        self._readers: dict[Ref, set[int]] | None = None
+        self._preds = [[] for _ in self.nodes]
+        self._succs = [[] for _ in self.nodes]
+        self._edges = sorted(edges)
+        for a, b in self._edges:
+            self._preds[b].append(a)
+            self._succs[a].append(b)
 
-    # -- structure ---------------------------------------------------------
+    @property
+    def dag(self) -> rx.PyDiGraph:
+        """The edges as a rustworkx graph (for its traversals), built on first use:
+        most graphs a search builds never need one."""
+        if self._dag is None:
+            if self._edges is None:
+                self._link()
+            self._dag = rx.PyDiGraph(check_cycle=False, multigraph=False)
+            self._dag.add_nodes_from([n.id for n in self.nodes])
+            self._dag.add_edges_from_no_data(self._edges)
+        return self._dag
+
     @property
     def inputs(self) -> list[Node]:
         return [n for n in self.nodes if n.kind == "input"]
@@ -115,10 +164,14 @@ class Graph:
         return [n for n in self.nodes if n.kind == "op"]
 
     def preds(self, v: int) -> list[int]:
-        return sorted(self.dag.predecessor_indices(v))
+        if self._edges is None:
+            self._link()
+        return list(self._preds[v])
 
     def succs(self, v: int) -> list[int]:
-        return sorted(self.dag.successor_indices(v))
+        if self._edges is None:
+            self._link()
+        return list(self._succs[v])
 
     def program_order(self) -> list[int]:
         """The op ids in the order the framework emitted them."""
@@ -141,19 +194,25 @@ class Graph:
                 base[r] = base[t.alias] if t.alias is not None else r
         return base
 
+    def _storages(self) -> dict[Ref, Ref]:
+        if self._storage is None:
+            self._storage = self._resolve_storages()
+        return self._storage
+
     def storage_of(self, r: Ref) -> Ref:
         """The base tensor owning the storage that ``r`` lives in."""
-        return self._storage[r]
+        return self._storages()[r]
 
     def readers(self) -> dict[Ref, set[int]]:
         """Base tensor -> ops that read its storage, directly or through a view.
         Built on first use and kept, like the storage map: a graph's args do not
         change once it is built (rewrites make new graphs)."""
         if self._readers is None:
+            base = self._storages()
             out: dict[Ref, set[int]] = {}
             for n in self.ops:
                 for r in iter_refs((n.args, n.kwargs)):
-                    out.setdefault(self._storage[r], set()).add(n.id)
+                    out.setdefault(base[r], set()).add(n.id)
             self._readers = out
         return self._readers
 
@@ -165,11 +224,14 @@ class Graph:
         """
         op_ids = self.program_order()
         index = {nid: i for i, nid in enumerate(op_ids)}
+        base = self._storages()
+        if self._edges is None:
+            self._link()
         users: dict[Ref, set[int]] = {}
         for n in self.ops:
             for r in iter_refs((n.args, n.kwargs)):
-                users.setdefault(self._storage[r], set()).add(index[n.id])
-        kept = {self._storage[r] for r in self.outputs}
+                users.setdefault(base[r], set()).add(index[n.id])
+        kept = {base[r] for r in self.outputs}
         storages, refs = [], []
         for n in self.nodes:
             for i, t in enumerate(n.outputs):
@@ -184,7 +246,7 @@ class Graph:
                     users=tuple(sorted(users.get(r, ()))), keep=r in kept,
                     category=n.category))
                 refs.append(r)
-        preds = [[index[p] for p in self.preds(nid) if p in index] for nid in op_ids]
+        preds = [[index[p] for p in self._preds[nid] if p in index] for nid in op_ids]
         names = [self.nodes[nid].name for nid in op_ids]
         return MemGraph(len(op_ids), preds, storages, names), op_ids, refs
 

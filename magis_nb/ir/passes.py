@@ -30,7 +30,7 @@ import math
 import torch
 
 from .build import _ident
-from .graph import Graph, Node, Ref, TensorInfo, iter_refs, map_refs
+from .graph import Graph, Node, Ref, TensorInfo, iter_refs, remap_refs
 
 aten = torch.ops.aten
 
@@ -56,10 +56,13 @@ class Rewriter:
         return nid
 
     def copy(self, n: Node) -> None:
-        fix = self.fix
-        new = Node(len(self.nodes), n.name, n.kind, n.target, n.op, map_refs(n.args, fix),
-                   map_refs(n.kwargs, fix), [None if t is None else dataclasses.replace(
-                       t, alias=None if t.alias is None else fix(t.alias)) for t in n.outputs],
+        fix, table = self.fix, self.remap
+        # A TensorInfo that is no view names no node: the copy shares it (nothing
+        # mutates a TensorInfo once its graph is built).
+        new = Node(len(self.nodes), n.name, n.kind, n.target, n.op, remap_refs(n.args, table),
+                   remap_refs(n.kwargs, table), [t if t is None or t.alias is None else
+                                                 dataclasses.replace(t, alias=fix(t.alias))
+                                                 for t in n.outputs],
                    n.category, n.role, n.rng, n.multi,
                    tuple(fix(Ref(d, 0)).node for d in n.deps), n.region)
         self.nodes.append(new)

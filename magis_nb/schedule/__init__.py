@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from magis_nb.simulate.memory import MemGraph
 
-from .dp import STATE_BUDGET, solve_block
+from .dp import STATE_BUDGET, BlockCache, solve_block
 from .full import Schedule, default_order, schedule
 from .incremental import extend_bound, get_reschedule_interval, reschedule
 from .narrow_waist import graph_partition, nw_values
@@ -49,6 +49,6 @@ class Scheduler:
         return s
 
 
-__all__ = ["Schedule", "Scheduler", "schedule", "reschedule", "default_order",
+__all__ = ["BlockCache", "Schedule", "Scheduler", "schedule", "reschedule", "default_order",
            "graph_partition", "nw_values", "extend_bound",
            "get_reschedule_interval", "solve_block"]

@@ -141,14 +141,42 @@ def solve_block(p: BlockProblem, hint: Sequence[int] | None = None, *,
     return BlockResult(best, best_peak, exact, states)
 
 
+class BlockCache:
+    """Solved blocks, so a search does not solve again the blocks that a rewrite
+    left unchanged (most of them: a rewrite touches a few blocks of hundreds).
+
+    The key is everything `solve_block` reads except ``base``: adding a constant
+    to ``base`` adds it to every step's live bytes, every peak and the bound
+    alike (all are >= 0, so the DP's initial peak of 0 never binds), so every
+    comparison, and hence the order, is the same. Blocks after a swap or remat
+    differ from the parent's in ``base`` only.
+    """
+
+    def __init__(self, size: int = 1 << 16):
+        self.size = size            # entries kept (the oldest go first)
+        self.table: dict[tuple, tuple] = {}
+
+    def solve(self, p: BlockProblem, hint: Sequence[int] | None, budget: int) -> BlockResult:
+        key = (budget, None if hint is None else tuple(hint), tuple(p.pred_mask),
+               tuple(p.alloc), tuple(tuple(f) for f in p.frees))
+        hit = self.table.get(key)
+        if hit is None:
+            r = solve_block(p, hint, budget=budget)
+            if len(self.table) >= self.size:
+                del self.table[next(iter(self.table))]
+            hit = self.table[key] = (tuple(r.order), r.peak - p.base, r.exact, r.states)
+        order, rel_peak, exact, states = hit
+        return BlockResult(list(order), rel_peak + p.base, exact, states)
+
+
 def solve_blocks(g, unit: Sequence[int], blocks: dict[int, list[int]], n_units: int,
-                 hint_pos: Sequence[int] | None = None, *,
-                 budget: int = STATE_BUDGET) -> tuple[dict[int, list[int]], bool]:
+                 hint_pos: Sequence[int] | None = None, *, budget: int = STATE_BUDGET,
+                 cache: BlockCache | None = None) -> tuple[dict[int, list[int]], bool]:
     """Order every block of a unit assignment in context (see context.py).
 
     Returns ({unit: global op order}, all blocks exact). ``hint_pos[v]`` is op v's
     position in a reference order; within a block the result is never worse than
-    the reference order restricted to the block.
+    the reference order restricted to the block. ``cache``: blocks solved before.
     """
     from .context import block_problems
     probs = block_problems(g, unit, blocks, n_units)
@@ -159,7 +187,7 @@ def solve_blocks(g, unit: Sequence[int], blocks: dict[int, list[int]], n_units: 
             hint = sorted(range(p.m), key=lambda i: hint_pos[p.ops[i]])
             if not _valid_local(p, hint):
                 hint = None
-        r = solve_block(p, hint, budget=budget)
+        r = solve_block(p, hint, budget=budget) if cache is None else cache.solve(p, hint, budget)
         exact = exact and r.exact
         out[u] = [p.ops[i] for i in r.order]
     return out, exact

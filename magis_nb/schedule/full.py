@@ -7,7 +7,7 @@ from typing import Sequence
 
 from magis_nb.simulate.memory import MemGraph, peak_memory
 
-from .dp import STATE_BUDGET, solve_blocks
+from .dp import STATE_BUDGET, BlockCache, solve_blocks
 from .narrow_waist import _topo, graph_partition
 
 
@@ -50,13 +50,14 @@ def default_order(g: MemGraph) -> list[int]:
 
 
 def schedule(g: MemGraph, *, method: str = "dp", hint: Sequence[int] | None = None,
-             budget: int = STATE_BUDGET) -> Schedule:
+             budget: int = STATE_BUDGET, cache: BlockCache | None = None) -> Schedule:
     """Schedule every op of ``g``.
 
     ``method="program"`` returns ``hint`` (default: ``default_order(g)``) as is.
     ``method="dp"`` partitions at narrow waists, orders each block by the bounded
     DP in context and concatenates; the result's peak is never above the hint's
     (if it would be, the hint is returned with ``kept_reference=True``).
+    ``cache``: blocks solved before (by a search, for other states).
     """
     t0 = time.perf_counter()
     ref = list(hint) if hint is not None else default_order(g)
@@ -77,7 +78,7 @@ def schedule(g: MemGraph, *, method: str = "dp", hint: Sequence[int] | None = No
         for v in ops:
             unit[v] = b
     orders, exact = solve_blocks(g, unit, dict(enumerate(parts)), len(parts), pos,
-                                 budget=budget)
+                                 budget=budget, cache=cache)
     order = [v for b in range(len(parts)) for v in orders[b]]
     peak = peak_memory(g, order)
     kept = peak > ref_peak

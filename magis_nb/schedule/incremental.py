@@ -30,7 +30,7 @@ from typing import Iterable, Sequence
 
 from magis_nb.simulate.memory import MemGraph, peak_memory
 
-from .dp import STATE_BUDGET, solve_blocks
+from .dp import STATE_BUDGET, BlockCache, solve_blocks
 from .full import Schedule, schedule
 from .narrow_waist import _topo, graph_partition, nw_values
 
@@ -133,12 +133,12 @@ def _layout(g, seq, intervals, topo_new, alloc, flips=0):
 
 def reschedule(new_g: MemGraph, old_order: Sequence[str], touched: Iterable[str], *,
                nw: dict[int, int] | None = None, budget: int = STATE_BUDGET,
-               **bound_kw) -> Schedule:
+               cache: BlockCache | None = None, **bound_kw) -> Schedule:
     """Reschedule ``new_g`` around ``touched`` keeping the rest of ``old_order``.
 
     ``nw``: narrow-waist values of ``new_g`` if already known (else computed;
     the walk uses the new graph's values for the old ops, which equal the old
-    graph's away from the mutation).
+    graph's away from the mutation). ``cache``: blocks solved before.
     """
     t0 = time.perf_counter()
     idx = {name: i for i, name in enumerate(new_g.names)}
@@ -148,7 +148,7 @@ def reschedule(new_g: MemGraph, old_order: Sequence[str], touched: Iterable[str]
     in_seq = set(seq)
     new_ops = [v for v in range(new_g.n) if v not in in_seq]
     if len(seq) == 0:
-        return schedule(new_g, budget=budget)
+        return schedule(new_g, budget=budget, cache=cache)
     if nw is None:
         nw = nw_values(new_g)
     nws = [nw[v] for v in seq]
@@ -173,7 +173,7 @@ def reschedule(new_g: MemGraph, old_order: Sequence[str], touched: Iterable[str]
             break
         intervals = _merge(intervals + [tuple(sorted(info))])
     else:
-        return schedule(new_g, budget=budget)
+        return schedule(new_g, budget=budget, cache=cache)
     hint = _new_op_keys(new_g, seq, topo_new, alloc)
     best, seen = None, set()
     # Where a new op goes is the one decision the old order cannot tell: try
@@ -184,7 +184,7 @@ def reschedule(new_g: MemGraph, old_order: Sequence[str], touched: Iterable[str]
             continue
         seen.add(key)
         unit, blocks, n_units = lay
-        order, exact = _solve(new_g, seq, unit, blocks, n_units, hint, budget)
+        order, exact = _solve(new_g, seq, unit, blocks, n_units, hint, budget, cache)
         peak = peak_memory(new_g, order)
         if best is None or peak < best[0]:
             best = (peak, order, exact)
@@ -204,7 +204,7 @@ def _merge(iv):
     return [(b, e) for b, e in out]
 
 
-def _solve(g, seq, unit, blocks, n_units, hint, budget):
+def _solve(g, seq, unit, blocks, n_units, hint, budget, cache):
     """Cut each interval at its narrow waists, order the pieces, splice."""
     units: list[tuple[bool, list[int]]] = []   # (is block, ops)
     seq_by_unit: dict[int, list[int]] = {}
@@ -230,7 +230,8 @@ def _solve(g, seq, unit, blocks, n_units, hint, budget):
     for k, (_, ops) in enumerate(units):
         for i, v in enumerate(ops):
             hint_pos[v] = i
-    orders, exact = solve_blocks(g, fine, bl, len(units), hint_pos, budget=budget)
+    orders, exact = solve_blocks(g, fine, bl, len(units), hint_pos, budget=budget,
+                                 cache=cache)
     return [v for k, (is_b, ops) in enumerate(units)
             for v in (orders[k] if is_b else ops)], exact
 

@@ -12,6 +12,7 @@ Stores and Loads placed to hide transfers, and simulated for memory and latency.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -23,7 +24,7 @@ from ..rules.algebra import merge_all, why_not_merge
 from ..rules.remat import can_rematerialize, rematerialize_all, written_in_place
 from ..rules.scale import sink_all, why_not_sink
 from ..rules.swap import swap_all
-from ..schedule import reschedule, schedule
+from ..schedule import BlockCache, reschedule, schedule
 from ..simulate.latency import simulate_latency
 from ..simulate.memory import simulate_memory
 from .transfers import is_load, is_store, place_transfers, transfers_of
@@ -86,11 +87,16 @@ class State:
 
 class _CostTable:
     """Op seconds cached by (name, target, shapes): unchanged ops keep their names
-    across rewrites, so most of a child's ops are already known."""
+    across rewrites, so most of a child's ops are already known. Per graph, the
+    seconds are also kept by node id: a state's evaluation, its transfer placement
+    and its children's ranking ask for every op of the same graph again, and
+    building the key is most of a lookup's cost."""
 
     def __init__(self, cost):
         self.cost = cost
         self.table: dict[tuple, float] = {}
+        self._by_graph: weakref.WeakKeyDictionary[Graph, dict[int, float]] = \
+            weakref.WeakKeyDictionary()
 
     def key(self, g: Graph, nid: int) -> tuple:
         n = g.nodes[nid]
@@ -99,10 +105,16 @@ class _CostTable:
         return (n.name, n.target, ins, outs)
 
     def of(self, g: Graph, nid: int) -> float:
-        k = self.key(g, nid)
-        v = self.table.get(k)
+        known = self._by_graph.get(g)
+        if known is None:
+            known = self._by_graph[g] = {}
+        v = known.get(nid)
         if v is None:
-            v = self.table[k] = float(self.cost.op_cost(g, nid))
+            k = self.key(g, nid)
+            v = self.table.get(k)
+            if v is None:
+                v = self.table[k] = float(self.cost.op_cost(g, nid))
+            known[nid] = v
         return v
 
     def op_cost(self, g: Graph, node) -> float:      # CostModel protocol, for the simulator
@@ -122,6 +134,7 @@ class Space:
         self._algebra: dict[tuple, list] = {}
         self.base = program.graph
         self.costs = _CostTable(cost)
+        self.blocks = BlockCache()  # a child's blocks are mostly its parent's
         self.async_copies = async_copies
         self.dg = DGraph(self.base)
         self.cands = build_ftree(self.dg, program.hotspots(), levels=levels)
@@ -197,9 +210,9 @@ class Space:
                  digest: bytes | None = None) -> State:
         mg, op_ids, refs = graph.memgraph()
         if parent is not None and touched and _local(parent.sched_names, touched):
-            s = reschedule(mg, parent.sched_names, touched)
+            s = reschedule(mg, parent.sched_names, touched, cache=self.blocks)
         else:
-            s = schedule(mg)
+            s = schedule(mg, cache=self.blocks)
         nodes = [op_ids[i] for i in s.order]
         dur = lambda v: self.costs.of(graph, v)  # noqa: E731
         index = {nid: i for i, nid in enumerate(op_ids)}
