@@ -303,8 +303,10 @@ class _Ladder:
     LADDER_START x the unrewritten latency and rises by LADDER_STEP whenever the
     best peak under it, lowered at the pace of the last WINDOW states for the
     states the time left allows, would not reach the memory budget. The first
-    plan that meets the budget hands the search to the mode's own order; past
-    LADDER_MAX the ladder gives up and the mode's own order dives for the peak.
+    plan under the target that meets the budget hands the search to the mode's
+    own order (a plan over the target that meets it, such as one the dive found,
+    does not: a cheaper one may be near); past LADDER_MAX the ladder gives up and
+    the mode's own order dives for the peak.
     """
 
     def __init__(self, root: State, limit: float):
