@@ -134,6 +134,8 @@ def cpu_profile(refresh: bool = False) -> DeviceProfile:
     prof = DeviceProfile(
         "cpu",
         {"float32": fp32, "tfloat32": fp32, "bfloat16": bf16, "float64": fp32 / 2},
-        mem_bw=bw, host_link_bw=bw, launch_overhead_s=launch)
+        # a swap of n bytes on the CPU is a copy: it reads n and writes n, so it
+        # moves n bytes at half the read + write bandwidth
+        mem_bw=bw, host_link_bw=bw / 2, launch_overhead_s=launch)
     _CPU_CACHE[threads] = prof
     return prof
