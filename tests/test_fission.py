@@ -202,3 +202,47 @@ def test_zoo_best_candidate_saves_memory_and_is_allclose(name):
     assert chk.comparison.allclose, chk.comparison.mismatches
     assert chk.measured_peak == split.simulate().peak
     assert chk.measured_peak < 0.75 * prog.simulate().peak
+
+
+def test_convexity_and_region_outputs_match_a_walk_of_the_whole_graph():
+    """`reentered` stops its walk at the region's last op in topological order and
+    `region_outputs` looks only at the region's successors; both must say what a
+    walk over every node says, on the regions F-Tree builds and on arbitrary ones."""
+    from magis_nb import zoo
+    from magis_nb.analysis.ftrans import region_outputs, reentered
+    from magis_nb.analysis.ftree import _dominated
+    from magis_nb.ir import iter_refs
+
+    def reentered_slow(g, ops):
+        frontier = {w for v in ops for w in g.succs(v) if w not in ops}
+        seen, stack = set(frontier), list(frontier)
+        while stack:
+            for w in g.succs(stack.pop()):
+                if w not in seen:
+                    seen.add(w)
+                    stack.append(w)
+        return seen & set(ops)
+
+    def outputs_slow(g, ops):
+        used = {r for r in g.outputs if r.node in ops}
+        for n in g.nodes:
+            if n.id not in ops:
+                used |= {r for r in iter_refs((n.args, n.kwargs)) if r.node in ops}
+        return sorted(used)
+
+    case = zoo.build("gpt", "tiny")
+    g = trace(case.model, case.inputs, loss_fn=case.loss_fn).graph
+    dg = DGraph(g)
+    ops = [n.id for n in g.ops]
+    rng = random.Random(0)
+    regions = [set(d) for comp in dg.components[:3]
+               for d in _dominated(g, list(comp.ops)).values()]
+    for _ in range(60):                 # windows of program order and random scatters
+        i = rng.randrange(len(ops))
+        regions.append(set(ops[i:i + rng.randrange(1, 40)]))
+        regions.append(set(rng.sample(ops, rng.randrange(1, 30))))
+    assert len(regions) > 150
+    for r in regions:
+        assert reentered(g, r) == reentered_slow(g, r)
+        assert region_outputs(g, frozenset(r)) == outputs_slow(g, r)
+    assert any(reentered(g, r) for r in regions) and any(not reentered(g, r) for r in regions)

@@ -32,9 +32,9 @@ class FTrans:
 def region_outputs(g: Graph, ops: frozenset[int]) -> list[Ref]:
     """Tensors made in ``ops`` that are read outside it or returned."""
     used = set(r for r in g.outputs if r.node in ops)
-    for n in g.nodes:
-        if n.id in ops:
-            continue
+    readers = {w for v in ops for w in g.succs(v) if w not in ops}  # every reader is a successor
+    for w in readers:
+        n = g.nodes[w]
         for r in iter_refs((n.args, n.kwargs)):
             if r.node in ops:
                 used.add(r)
@@ -54,12 +54,16 @@ def divisors(L: int) -> list[int]:
 
 def reentered(g: Graph, ops) -> set[int]:
     """Ops of ``ops`` reachable again after a path has left ``ops`` (empty: convex)."""
-    frontier = {w for v in ops for w in g.succs(v) if w not in ops}
+    if not ops:
+        return set()
+    pos = g.topo_position()
+    last = max(pos[v] for v in ops)  # nothing placed after it leads back into ops
+    frontier = {w for v in ops for w in g.succs(v) if w not in ops and pos[w] < last}
     seen, stack = set(frontier), list(frontier)
     while stack:
         v = stack.pop()
         for w in g.succs(v):
-            if w not in seen:
+            if w not in seen and pos[w] <= last:
                 seen.add(w)
                 stack.append(w)
     return seen & set(ops)

@@ -120,6 +120,7 @@ class Graph:
         self._dag: rx.PyDiGraph | None = None
         self._storage: dict[Ref, Ref] | None = None
         self._readers: dict[Ref, set[int]] | None = None
+        self._topo: list[int] | None = None
 
     # -- structure ---------------------------------------------------------
     def _link(self) -> None:
@@ -172,6 +173,17 @@ class Graph:
         if self._edges is None:
             self._link()
         return list(self._succs[v])
+
+    def topo_position(self) -> list[int]:
+        """Each node's position in one topological order of the edges (node id ->
+        position), built on first use: a walk down from some ops can stop at any
+        node placed after the last op it looks for."""
+        if self._topo is None:
+            pos = [0] * len(self.nodes)
+            for i, v in enumerate(rx.topological_sort(self.dag)):
+                pos[v] = i
+            self._topo = pos
+        return self._topo
 
     def program_order(self) -> list[int]:
         """The op ids in the order the framework emitted them."""
