@@ -48,7 +48,8 @@ _REGISTRY: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 # "bench": the tiny architecture (twice as wide) at the batch where one eager step
-# takes about 0.45 s on an idle 2-core CPU (the side-by-side benchmark, `python -m magis_nb.bench peers`).
+# takes about 0.45 s on an idle 2-core CPU (the side-by-side benchmark,
+# `python -m magis_nb.bench peers`).
 # "gpu": a few GB of activations, for the one-shot GPU check (`python -m magis_nb.bench gpu`).
 SIZES = ("tiny", "paper", "bench", "gpu")
 
