@@ -220,6 +220,8 @@ def test_profiles():
     assert cpu is get_profile("cpu")         # measured once, then cached
     for v in (cpu.flops["float32"], cpu.flops["bfloat16"], cpu.mem_bw, cpu.launch_overhead_s):
         assert math.isfinite(v) and v > 0
+    # a CPU swap is a copy: n bytes read and n written, as the roofline prices a copy_
+    assert make_cost("cpu").transfer_cost(2**20) == pytest.approx(2 * 2**20 / cpu.mem_bw)
 
 
 # -- fission parts cost one part each ------------------------------------------

@@ -58,7 +58,7 @@ def reentered(g: Graph, ops) -> set[int]:
         return set()
     pos = g.topo_position()
     last = max(pos[v] for v in ops)  # nothing placed after it leads back into ops
-    frontier = {w for v in ops for w in g.succs(v) if w not in ops and pos[w] < last}
+    frontier = {w for v in ops for w in g.succs(v) if w not in ops and pos[w] <= last}
     seen, stack = set(frontier), list(frontier)
     while stack:
         v = stack.pop()
