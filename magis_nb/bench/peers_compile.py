@@ -27,6 +27,18 @@ survive as plain ATen:
   are pure ops to inductor, which may then run them in another order (other
   masks: GPT's re-order-only plan, gradients off by 3.8e-2), so each draw also
   takes the previous draw's (empty) token and returns the next.
+
+One more rewrite is for inductor's speed, not for correctness: a tensor that
+several convolutions read (a weight, read by its convolution and by its
+convolution_backward; a ``cat`` of a U-Net skip, read by the next convolution
+and by its backward) is converted to channels-last once, by an explicit
+``clone``. Inductor converts the inputs of every convolution it runs
+channels-last (its layout optimization), but a graph input or a ``cat`` gets one
+copy per reader; in a joint forward + backward graph it then fuses the
+backward's copy with the forward's, so the backward's copy is made in the
+forward and held until the backward. U-Net at the bench size, re-order-only
+plan: inductor's kernels took 102 ms a step with the copies, and the compiled
+peak was 1.12x eager's (see `share_conv_inputs`).
 """
 from __future__ import annotations
 
@@ -138,6 +150,45 @@ def make_opaque(gm: torch.fx.GraphModule, example_inputs, pools) -> dict[str, in
     return counts
 
 
+# convolution-family ops and the argument positions of their 4-D tensors (input, weight)
+_CONV_ARGS = {aten.convolution.default: (0, 1), aten.convolution_backward.default: (1, 2)}
+
+
+def _conv_reads(n: torch.fx.Node) -> list[tuple[torch.fx.Node, int]]:
+    """(reader, position) for each convolution-family argument that is ``n``."""
+    return [(u, i) for u in n.users if u.op == "call_function" and u.target in _CONV_ARGS
+            for i in _CONV_ARGS[u.target] if u.args[i] is n]
+
+
+def share_conv_inputs(gm: torch.fx.GraphModule) -> int:
+    """Rewrite ``gm`` in place: a graph input or ``cat`` that two or more
+    convolution-family ops read is read through one channels-last ``clone``
+    (see the module's note). Returns how many clones it inserted."""
+    import torch._inductor.config as iconfig
+
+    if not iconfig.layout_optimization:
+        return 0  # inductor keeps convolutions in the tensors' own layout: nothing to share
+    g = gm.graph
+    pos = {n: i for i, n in enumerate(g.nodes)}
+    added = 0
+    for n in list(g.nodes):
+        if not (n.op == "placeholder" or (n.op == "call_function" and n.target is aten.cat.default)):
+            continue
+        val = n.meta.get("example_value", n.meta.get("val"))
+        reads = _conv_reads(n)
+        if len(reads) < 2 or not isinstance(val, Tensor) or val.dim() != 4:
+            continue
+        with g.inserting_before(min((u for u, _ in reads), key=pos.__getitem__)):  # made when first read
+            cl = g.call_function(aten.clone.default, (n,), {"memory_format": torch.channels_last})
+        for u, i in reads:
+            u.update_arg(i, cl)
+        added += 1
+    if added:
+        g.lint()
+        gm.recompile()
+    return added
+
+
 def compile_plan(mod, backend: str = "inductor", log: dict | None = None):
     """Compile ``mod``'s generated step (an `OptimizedModule`, changed in place and
     returned) with ``backend`` after `make_opaque`, its swaps through `HostOps`; ``log`` receives its counts."""
@@ -148,6 +199,8 @@ def compile_plan(mod, backend: str = "inductor", log: dict | None = None):
 
     def opaque_then(gm, example_inputs):
         counts = make_opaque(gm, example_inputs, pools)
+        if backend == "inductor":
+            counts["conv_inputs_shared"] = share_conv_inputs(gm)
         if log is not None:
             log.update(counts)
         return inner(gm, example_inputs)
