@@ -2,9 +2,9 @@
 
 (a) tiny zoo models on this CPU with measured op costs, at lat_budget 1.10 and at
 mem_budget 0.4: the chosen plan's measured peak (CPU storage tracker) against
-eager PyTorch's, its measured wall time against eager's (eager and optimized
-steps alternate, 2 warm-ups, then the median of --reps per-pair ratios, same
-thread count), its simulated peak and whether it is
+eager PyTorch's, its measured wall time against eager's (optimized and eager
+steps alternate, 2 warm-ups, then the median of --reps per-pair ratios and their
+quartiles, same thread count: `timing.time_steps`), its simulated peak and whether it is
 allclose to eager. (b) paper-size models planned for a simulated RTX 3090 at
 lat_budget 1.10 and 1.05 and mem_budget 0.8 and 0.4: simulated memory ratio and
 latency overhead (nothing runs: the models live on the meta device).
@@ -12,7 +12,6 @@ latency overhead (nothing runs: the models live on the meta device).
 from __future__ import annotations
 
 import copy
-import statistics
 import time
 
 from .. import zoo
@@ -20,30 +19,12 @@ from ..capture import eager_step
 from ..search import optimize
 from ..verify import Reference
 from .common import fixed_threads, parser, table, write_json
+from .timing import clear_grads, time_steps
 
 CPU_MODELS = ("unet", "unetpp", "gpt", "vit", "bert")
 PAPER_MODELS = ("resnet", "bert", "vit", "unet", "unetpp", "gpt", "btlm")
 CPU_BUDGETS = (("lat", 1.10), ("mem", 0.4))
 PAPER_BUDGETS = (("lat", 1.10), ("lat", 1.05), ("mem", 0.8), ("mem", 0.4))
-
-
-def _time_ratio(eager, opt, eager_params, opt_params, reps: int) -> tuple[float, float, float]:
-    """(median eager s, median optimized s, median of per-pair ratios).
-
-    Eager and optimized steps alternate, so a burst of load from elsewhere on the
-    machine hits both sides of a pair alike; the ratio is the median over pairs.
-    """
-    te, to = [], []
-    for i in range(reps + 2):
-        for fn, params, out in ((eager, eager_params, te), (opt, opt_params, to)):
-            for p in params:
-                p.grad = None
-            t0 = time.perf_counter()
-            fn()
-            if i >= 2:
-                out.append(time.perf_counter() - t0)
-    return (statistics.median(te), statistics.median(to),
-            statistics.median(b / a for a, b in zip(te, to)))
 
 
 def cpu_row(name: str, kind: str, budget: float, time_budget: float, reps: int) -> dict:
@@ -56,9 +37,10 @@ def cpu_row(name: str, kind: str, budget: float, time_budget: float, reps: int) 
     ref = Reference(case.model, case.inputs, case.loss_fn, "train")
     chk = ref.check(mod)
     eager_model = copy.deepcopy(case.model)
-    t_eager, t_opt, ratio = _time_ratio(
-        lambda: eager_step(eager_model, case.inputs, case.loss_fn, "train"), lambda: mod(*case.inputs),
-        list(eager_model.parameters()), list(case.model.parameters()), reps)
+    t = time_steps(lambda: mod(*case.inputs), reps, before=clear_grads(case.model.parameters()),
+                   ref=lambda: eager_step(eager_model, case.inputs, case.loss_fn, "train"),
+                   ref_before=clear_grads(eager_model.parameters()))
+    q1, q3 = t.quartiles
     ref.restore()
     return {"model": name, "size": "tiny", "profile": res.profile, "budget_kind": kind,
             "budget": budget, "met": res.met,
@@ -66,7 +48,8 @@ def cpu_row(name: str, kind: str, budget: float, time_budget: float, reps: int) 
             "sim_mem_ratio": round(res.plan.peak / res.before.peak, 4),
             "sim_peak": res.plan.peak, "measured_peak": chk.measured_peak,
             "sim_vs_measured": round(abs(res.plan.peak - chk.measured_peak) / chk.measured_peak, 4),
-            "lat_ratio": round(ratio, 4), "eager_s": round(t_eager, 4), "opt_s": round(t_opt, 4),
+            "lat_ratio": round(t.ratio, 4), "lat_ratio_q1": round(q1, 4), "lat_ratio_q3": round(q3, 4),
+            "eager_s": round(t.ref_s, 4), "opt_s": round(t.step_s, 4),
             "sim_lat_ratio": round(res.lat_ratio, 4),
             "measured": True, "allclose": chk.comparison.allclose,
             "applied": res.plan.applied, "states": res.states, "seconds": round(seconds, 1)}
@@ -93,7 +76,8 @@ def main(argv) -> int:
     p.add_argument("--cpu-models", default=",".join(CPU_MODELS))
     p.add_argument("--paper-models", default=",".join(PAPER_MODELS))
     p.add_argument("--profile", default="rtx3090", help="device profile for part (b)")
-    p.add_argument("--reps", type=int, default=7, help="timed runs per measurement (median)")
+    p.add_argument("--reps", type=int, default=15,
+                   help="timed pairs (plan, eager) per measurement: median ratio and quartiles")
     p.add_argument("--budgets", default=None,
                    help="only these budgets, e.g. 'lat:1.10,mem:0.4' (default: the issue's set per part)")
     a = p.parse_args(argv)
@@ -109,7 +93,8 @@ def main(argv) -> int:
             for kind, b in only or CPU_BUDGETS:
                 r = cpu_row(name, kind, b, a.time_budget, a.reps)
                 rows.append(r)
-                print(table([r], cols + [("sim_mem_ratio", "sim mem"), ("sim_lat_ratio", "sim lat"),
+                print(table([r], cols + [("lat_ratio_q1", "q1"), ("lat_ratio_q3", "q3"),
+                                         ("sim_mem_ratio", "sim mem"), ("sim_lat_ratio", "sim lat"),
                                          ("sim_vs_measured", "sim err"), ("allclose", "allclose"),
                                          ("applied", "applied"), ("seconds", "s")]), flush=True)
     if a.part in ("b", "all"):

@@ -121,8 +121,8 @@ def main(argv) -> int:
             for r in results}
     cols = [("model", "model"), ("strategy", "strategy"), ("setting", "setting"),
             ("peak_MiB", "peak MiB"), ("peak_ratio", "peak/eager"), ("time_s", "time s"),
-            ("time_ratio", "time/eager"), ("allclose", "allclose"), ("max_err", "max err"),
-            ("prep_s", "prep s"), ("first_step_s", "1st step s"), ("note", "note"),
+            ("time_ratio", "time/eager"), ("time_q", "q1-q3"), ("allclose", "allclose"),
+            ("max_err", "max err"), ("prep_s", "prep s"), ("first_step_s", "1st step s"), ("note", "note"),
             ("error", "error")]
     models = a.models.split(",")
     for model in models:
@@ -159,7 +159,7 @@ def main(argv) -> int:
 
 
 def markdown(results: list[Result]) -> str:
-    head = ("| model | strategy | setting | peak MiB | peak / eager | time / eager | step s | "
+    head = ("| model | strategy | setting | peak MiB | peak / eager | time / eager (q1-q3) | step s | "
             "allclose (max abs err) | solve / compile s | tracker MiB | host MiB | applied / note |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in results:
@@ -176,14 +176,19 @@ def markdown(results: list[Result]) -> str:
             note = f"saved for backward {r.extra['saved_bytes'] / 2**20:.1f} MiB" + (f"; {note}" if note else "")
         lines.append(
             f"| {r.model} | {r.strategy} | {r.setting} | {r.peak / 2**20:.1f} | {_fmt(r.peak_ratio)} | "
-            f"{_fmt(r.time_ratio)} | {_fmt(r.time)} | {r.allclose} ({r.max_err:.1e}){bufs} | {prep} | "
+            f"{_fmt(r.time_ratio)}{_spread(r)} | {_fmt(r.time)} | {r.allclose} ({r.max_err:.1e}){bufs} | {prep} | "
             f"{'' if r.tracker_peak is None else f'{r.tracker_peak / 2**20:.1f}'} | "
             f"{'' if host is None else f'{host / 2**20:.1f}'} | {note} |")
     return "\n".join(lines)
 
 
+def _spread(r: Result) -> str:
+    return f" ({r.time_ratio_q[0]:.2f}-{r.time_ratio_q[1]:.2f})" if r.time_ratio_q else ""
+
+
 def _show(r: Result) -> dict:
     d = r.row()
+    d["time_q"] = _spread(r).strip(" ()")
     d["peak_MiB"] = _fmt(r.peak / 2**20, 1) if r.peak else ""
     d["time_s"] = _fmt(r.time, 3)
     d["first_step_s"] = _fmt(r.first_step_s, 1)

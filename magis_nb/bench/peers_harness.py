@@ -4,7 +4,9 @@ A strategy turns a zoo case into one or more `Candidate`s: a `step()` that runs
 forward + backward of one training step (gradients land on `params`), the
 parameters and buffers it trains, and the seconds it took to prepare (solve,
 compile). `measure` runs every candidate the same way: 2 warm-up steps (the
-first compiles), the median wall time of `reps` steps, then one step from the
+first compiles), `reps` timed steps, each followed by a timed eager step
+(`timing.time_steps`: the time ratio is the median of the pairs' ratios, its
+quartiles its spread), then one step from the
 initial state and seed 0 under `torch.profiler` for the peak and the loss and
 gradients to hold against eager's.
 
@@ -15,8 +17,6 @@ strategies that do not compile.
 from __future__ import annotations
 
 import copy
-import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -26,8 +26,7 @@ from torch import nn
 from ..capture import eager_step
 from ..runtime.measure import measure_cpu, storage_bytes
 from ..verify import ATOL, RTOL
-
-WARMUP = 2
+from .timing import clear_grads, time_steps
 
 
 @dataclass
@@ -53,7 +52,8 @@ class Result:
     time: float | None = None         # median seconds per step
     eager_time: float | None = None   # eager's median, timed interleaved in the same process
     peak_ratio: float | None = None   # peak / eager's peak
-    time_ratio: float | None = None   # time / eager_time (same process, same load)
+    time_ratio: float | None = None   # median of step / eager step, pair by pair (same process, same load)
+    time_ratio_q: list[float] | None = None  # quartiles [q1, q3] of those per-pair ratios (its spread)
     allclose: bool | None = None      # loss and every gradient vs eager (rtol 1e-4, atol 1e-5)
     max_err: float | None = None      # largest absolute difference of loss / gradients
     buffers_close: bool | None = None # BatchNorm running stats vs eager (checkpoint recomputes them)
@@ -102,27 +102,6 @@ def saved_bytes(forward: Callable[[], object]) -> int:
     del out
     return sum(e.nbytes() for e in prof.profiler.kineto_results.events()
                if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
-
-
-def median_time(step: Callable[[], object], params, reps: int,
-                against: tuple[Callable[[], object], list] | None = None):
-    """(first warm-up seconds, median of ``reps`` timed steps after ``WARMUP``
-    warm-ups, median of ``against``'s steps or None). ``against = (step, params)``
-    is timed interleaved, step for step, so that both medians see the same load."""
-    times, other = [], []
-    for i in range(WARMUP + reps):
-        for p in params:
-            p.grad = None
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-        if against is not None and i >= WARMUP - 1:
-            for p in against[1]:
-                p.grad = None
-            t0 = time.perf_counter()
-            against[0]()
-            other.append(time.perf_counter() - t0)
-    return times[0], statistics.median(times[WARMUP:]), (statistics.median(other[1:]) if other else None)
 
 
 @dataclass
@@ -197,10 +176,14 @@ def measure(case, strategy: str, make: Callable, reps: int = 7,
                    extra=dict(c.extra))
         try:
             state = _State(c.params, c.buffers)
-            r.first_step_s, r.time, r.eager_time = median_time(
-                c.step, c.params, reps, None if strategy == "eager" else ref.eager())
-            if strategy == "eager":
-                r.eager_time = r.time
+            against = None if strategy == "eager" else ref.eager()
+            t = time_steps(c.step, reps, before=clear_grads(c.params),
+                           ref=against and against[0], ref_before=against and clear_grads(against[1]))
+            r.first_step_s, r.time = t.first_s, t.step_s
+            r.eager_time = t.step_s if strategy == "eager" else t.ref_s
+            if t.ratios:
+                r.time_ratio = round(t.ratio, 4)
+                r.time_ratio_q = [round(q, 4) for q in t.quartiles]
             state.restore(c.params)
             base = live_before + storage_bytes(list(c.params) + list(c.buffers))
             torch.manual_seed(0)
@@ -222,14 +205,15 @@ def measure(case, strategy: str, make: Callable, reps: int = 7,
 
 
 def add_ratios(results: list[Result]) -> None:
-    """peak_ratio against the eager row of the same model; time_ratio against
-    eager's time measured next to the row's own steps."""
+    """peak_ratio against the eager row of the same model; time_ratio, where
+    `measure` did not set it (eager's row; rows of older JSON), the ratio of the
+    row's median to eager's median measured next to it."""
     eager = {r.model: r for r in results if r.strategy == "eager" and r.peak}
     for r in results:
         e = eager.get(r.model)
         if e and r.peak:
             r.peak_ratio = round(r.peak / e.peak, 4)
-        if r.time and r.eager_time:
+        if r.time_ratio is None and r.time and r.eager_time:
             r.time_ratio = round(r.time / r.eager_time, 4)
 
 
