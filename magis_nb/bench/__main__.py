@@ -11,6 +11,7 @@ COMMANDS = {
     "fission": "F-Tree candidates of every tiny zoo model, split, measured, checked",
     "optimize": "the optimizer under memory/latency budgets (CPU measured; paper sizes simulated)",
     "peers": "magis_nb against eager, checkpoint, torch.compile memory budgets, Rockmate (CPU)",
+    "overhead": "the generated program against PyTorch before any rewrite (time ratio, ops)",
     "gpu": "the one-shot GPU check: GPU tests, simcheck, eager vs plans, hidden transfers",
 }
 

@@ -189,9 +189,11 @@ def share_conv_inputs(gm: torch.fx.GraphModule) -> int:
     return added
 
 
-def compile_plan(mod, backend: str = "inductor", log: dict | None = None):
+def compile_plan(mod, backend: str = "inductor", log: dict | None = None, share_conv: bool = True):
     """Compile ``mod``'s generated step (an `OptimizedModule`, changed in place and
-    returned) with ``backend`` after `make_opaque`, its swaps through `HostOps`; ``log`` receives its counts."""
+    returned) with ``backend`` after `make_opaque` (and, for inductor, `share_conv_inputs`
+    unless ``share_conv`` is False: `bench overhead` measures without it), its swaps
+    through `HostOps`; ``log`` receives its counts."""
     from torch._dynamo.backends.registry import lookup_backend
 
     pools = list(getattr(mod, "_pools", []))
@@ -199,7 +201,7 @@ def compile_plan(mod, backend: str = "inductor", log: dict | None = None):
 
     def opaque_then(gm, example_inputs):
         counts = make_opaque(gm, example_inputs, pools)
-        if backend == "inductor":
+        if backend == "inductor" and share_conv:
             counts["conv_inputs_shared"] = share_conv_inputs(gm)
         if log is not None:
             log.update(counts)

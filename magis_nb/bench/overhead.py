@@ -1,0 +1,118 @@
+"""overhead: magis_nb's generated program against PyTorch, before any rewrite.
+
+The unoptimized program (captured, re-ordered as PyTorch ran it, no plan) and
+eager PyTorch's step alternate (`timing.time_steps`): the median per-pair time
+ratio and its quartiles. Then a few steps of each under `torch.profiler`, and
+the ops whose self time differs most, by op and input shapes (ms and calls per
+step). With --compiled, both sides are compiled by inductor first: the program
+as `magis+inductor` compiles a plan (`peers_compile.compile_plan`), PyTorch's
+step by `torch.compile`; "inductor kernels" is then the self time of inductor's
+generated kernels (kernel profiling on), and --no-conv-share leaves out
+`peers_compile.share_conv_inputs` (each convolution copies its own inputs).
+
+This is what a plan's measured time adds to its simulated one: the simulator
+prices the program as its ops timed alone.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from .. import zoo
+from ..capture import eager_step
+from ..search import optimize
+from .common import fixed_threads, parser, table, write_json
+from .timing import clear_grads, time_steps
+
+
+def profile_ops(fn, steps: int = 3) -> dict[tuple[str, str], tuple[float, int]]:
+    """(op, input shapes) -> (self ms per step, calls per step) over ``steps`` calls of ``fn``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(steps):
+            fn()
+    return {(e.key, str(e.input_shapes)): (e.self_cpu_time_total / 1e3 / steps, e.count // steps)
+            for e in prof.key_averages(group_by_input_shape=True)}
+
+
+def _kernels_ms(ops) -> float:
+    return sum(ms for (key, _), (ms, _) in ops.items() if "cpp_fused" in key)
+
+
+def run(name: str, size: str, reps: int, compiled: bool, top: int, share_conv: bool = True) -> dict:
+    case = zoo.build(name, size)
+    res = optimize(case.model, case.inputs, loss_fn=case.loss_fn, max_states=1, time_budget=60)
+    prog = res._builder.module(res.before)
+    ref_model = copy.deepcopy(case.model)
+    if compiled:
+        import torch._inductor.config as iconfig
+
+        from .peers_compile import compile_plan
+        from .peers_strategies import _Step
+
+        iconfig.fallback_random = True          # eager's dropout masks on both sides
+        iconfig.cpp.enable_kernel_profile = True
+        prog = compile_plan(prog, share_conv=share_conv)
+        fn = torch.compile(_Step(ref_model, case.loss_fn, "train"))
+
+        def ref():
+            loss = fn(*case.inputs)[0]
+            loss.backward()
+    else:
+        def ref():
+            eager_step(ref_model, case.inputs, case.loss_fn, "train")
+
+    def step():
+        prog(*case.inputs)
+
+    t = time_steps(step, reps, before=clear_grads(case.model.parameters()),
+                   ref=ref, ref_before=clear_grads(ref_model.parameters()))
+    ours, theirs = profile_ops(step), profile_ops(ref)
+    keys = sorted(set(ours) | set(theirs),
+                  key=lambda k: -abs(ours.get(k, (0.0, 0))[0] - theirs.get(k, (0.0, 0))[0]))
+    rows = []
+    for k in keys[:top]:
+        (a, na), (b, nb) = ours.get(k, (0.0, 0)), theirs.get(k, (0.0, 0))
+        rows.append({"op": k[0], "shapes": k[1], "program_ms": round(a, 2), "program_calls": na,
+                     "pytorch_ms": round(b, 2), "pytorch_calls": nb})
+    q1, q3 = t.quartiles
+    out = {"model": name, "size": size, "compiled": compiled, "share_conv": share_conv,
+           "time_ratio": round(t.ratio, 4),
+           "time_ratio_q1": round(q1, 4), "time_ratio_q3": round(q3, 4),
+           "program_s": round(t.step_s, 4), "pytorch_s": round(t.ref_s, 4),
+           "program_self_ms": round(sum(v[0] for v in ours.values()), 1),
+           "pytorch_self_ms": round(sum(v[0] for v in theirs.values()), 1), "ops": rows}
+    if compiled:
+        out["program_kernels_ms"] = round(_kernels_ms(ours), 1)
+        out["pytorch_kernels_ms"] = round(_kernels_ms(theirs), 1)
+    return out
+
+
+def main(argv) -> int:
+    p = parser("overhead", __doc__)
+    p.add_argument("--models", default="bert", help="zoo models, comma-separated")
+    p.add_argument("--size", default="tiny", help="zoo config (default: tiny)")
+    p.add_argument("--reps", type=int, default=15, help="timed pairs (program, PyTorch)")
+    p.add_argument("--compiled", action="store_true", help="compile both sides with inductor")
+    p.add_argument("--no-conv-share", action="store_true",
+                   help="with --compiled: without peers_compile.share_conv_inputs")
+    p.add_argument("--top", type=int, default=12, help="ops listed, by self-time difference")
+    a = p.parse_args(argv)
+    fixed_threads()
+    out = []
+    for name in a.models.split(","):
+        r = run(name, a.size, a.reps, a.compiled, a.top, share_conv=not a.no_conv_share)
+        out.append(r)
+        extra = (f"; inductor kernels {r['program_kernels_ms']} ms against {r['pytorch_kernels_ms']} ms"
+                 if a.compiled else "")
+        print(f"{name} ({a.size}{', compiled' if a.compiled else ''}): program / PyTorch "
+              f"x{r['time_ratio']} (q1-q3 {r['time_ratio_q1']}-{r['time_ratio_q3']}); self time per "
+              f"step {r['program_self_ms']} ms against {r['pytorch_self_ms']} ms{extra}")
+        print(table(r["ops"], [("op", "op"), ("shapes", "input shapes"), ("program_ms", "program ms"),
+                               ("program_calls", "calls"), ("pytorch_ms", "PyTorch ms"),
+                               ("pytorch_calls", "calls")]), flush=True)
+    write_json(a.json, out)
+    return 0
