@@ -1,5 +1,7 @@
 """optimize(): budgets, feasibility in simulation and measurement, eager equality,
 monotonic selection, progress, interruption, determinism, errors."""
+import math
+
 import pytest
 import torch
 
@@ -184,3 +186,42 @@ def test_bad_arguments_are_refused_with_a_hint(gpt):
         magis_nb.optimize(gpt.model, gpt.inputs, loss_fn=gpt.loss_fn, device_profile="tpu")
     with pytest.raises(ValueError, match="mode"):
         magis_nb.optimize(gpt.model, gpt.inputs, mode="eval")
+
+
+def _fake_measure(res, factor):
+    """measure(module) for fit_measured: the plan's simulated ratio times ``factor``
+    (a program overhead the simulator does not see)."""
+    def measure(mod):
+        plan = next(p for p in res.pareto if res.module_for(p) is mod)
+        return factor * plan.latency / res.before.latency
+    return measure
+
+
+def test_fit_measured_picks_the_lowest_peak_plan_that_measures_within_the_budget(gpt_mem):
+    res = gpt_mem
+    budget, factor = 1.10, 1.05
+    pick = res.select(lat_budget=budget)       # the pick on simulated latency
+    plan = res.fit_measured(_fake_measure(res, factor), budget, tries=len(res.pareto))
+    fits = [p for p in res.pareto if factor * p.latency / res.before.latency <= budget]
+    assert fits and pick not in fits, "the simulated pick measures over; a faster plan fits"
+    assert plan is min(fits, key=lambda p: (p.peak, p.latency))
+    assert res.met and "measured latency budget x1.10 met" in res.message
+    # select()'s pick first, then the fastest plan, then bisection between them
+    assert res.fits[0][0] is pick
+    assert res.fits[1][0] is min(res.pareto, key=lambda p: p.latency)
+    assert len(res.fits) <= 2 + math.ceil(math.log2(len(res.pareto)))
+    assert dict((id(p), r) for p, r in res.fits)[id(plan)] == pytest.approx(
+        factor * plan.latency / res.before.latency)
+    res.select(mem_budget=0.5)
+
+
+def test_fit_measured_says_when_no_plan_measures_within_the_budget(gpt_mem):
+    res = gpt_mem
+    plan = res.fit_measured(_fake_measure(res, 3.0), 1.10, tries=5)
+    assert not res.met and "NOT met" in res.message
+    # select()'s pick, then the fastest plan: when that is over too, nothing fits
+    assert [p for p, _ in res.fits] == [res.fits[0][0], min(res.pareto, key=lambda p: p.latency)]
+    assert plan is res.fits[-1][0] and plan is min(res.fits, key=lambda t: t[1])[0]
+    with pytest.raises(ValueError, match="positive"):
+        res.fit_measured(_fake_measure(res, 1.0), 0)
+    res.select(mem_budget=0.5)

@@ -4,7 +4,8 @@ A `Plan` is one searched program: its simulated device peak and step latency and
 what was applied to get there. `OptimizeResult` holds the unoptimized plan, the
 Pareto front of everything the search saw, and the plan chosen for the budget;
 `select` re-picks from the front for another budget without searching again
-(the notebook's slider), `module` builds the runnable `OptimizedModule` for the
+(the notebook's slider), `fit_measured` re-picks for a latency budget on
+measured time, `module` builds the runnable `OptimizedModule` for the
 chosen plan and `timeline` gives the per-category memory curve for plots.
 """
 from __future__ import annotations
@@ -108,6 +109,8 @@ class OptimizeResult:
     # seconds spent in each phase: "capture" (export and IR), "analysis" (D-Graph,
     # F-Tree, the unoptimized plan's costs), "search" (time_budget bounds this one)
     timings: dict = field(default_factory=dict)
+    # fit_measured: every (plan, measured time ratio) it tried, in order
+    fits: list = field(default_factory=list)
 
     # -- picking another plan -------------------------------------------------------
     def select(self, mem_budget: float | int | None = None,
@@ -121,6 +124,67 @@ class OptimizeResult:
         ``message``, ``budget*`` and returns the plan.
         """
         return self._builder.select(self, mem_budget, lat_budget)
+
+    def fit_measured(self, measure: Callable[[nn.Module], float], lat_budget: float,
+                     tries: int = 6) -> Plan:
+        """Choose the lowest-peak plan whose *measured* time ratio is within
+        ``lat_budget`` (no new search).
+
+        ``select(lat_budget=...)`` bounds the simulated latency, the sum of the
+        plan's ops timed alone; a run adds what the simulator does not see (the
+        generated program's own overhead against eager PyTorch, copies competing
+        with compute for memory bandwidth). ``measure(module)`` runs a plan's
+        module and returns its time ratio against the reference the budget is on
+        (eager PyTorch, for the bench). Along the front (peak up, latency down)
+        the measured ratio falls as the simulated one does, so: measure the plan
+        ``select`` picks; if it is over, measure the fastest plan; if that fits,
+        bisect between the two on the front, at most ``tries`` measurements in
+        all. ``met`` says whether a measured plan fits; when none does, the one
+        that measured fastest is chosen. Every measurement is kept in ``fits``
+        as (plan, measured ratio).
+        """
+        if lat_budget <= 0:
+            raise ValueError(f"lat_budget must be positive, got {lat_budget!r}")
+        base = self.before.latency
+        front = sorted(self.pareto, key=lambda p: (p.peak, p.latency))
+        within = [i for i, p in enumerate(front) if p.latency <= lat_budget * base]
+        self.fits = []
+        ratios: dict[int, float] = {}
+
+        def measured(i: int) -> float:
+            if i not in ratios:
+                ratios[i] = float(measure(self.module_for(front[i])))
+                self.fits.append((front[i], ratios[i]))
+            return ratios[i]
+
+        # over: a plan known to measure over the budget; ok: one known to fit
+        over, ok = -1, None
+        for i in ([within[0]] if within else []) + [len(front) - 1]:
+            if len(self.fits) >= max(1, tries):
+                break
+            if measured(i) <= lat_budget:
+                ok = i
+                break
+            over = i
+        while ok is not None and ok - over > 1 and len(self.fits) < tries:
+            mid = (over + ok) // 2
+            if measured(mid) <= lat_budget:
+                ok = mid
+            else:
+                over = mid
+        if ok is not None:
+            plan, ratio = front[ok], ratios[ok]
+        else:
+            plan, ratio = min(self.fits, key=lambda t: t[1])
+        self.plan, self.met = plan, ok is not None
+        self.budget_kind, self.budget_ratio, self.budget = "lat", lat_budget, lat_budget * base
+        what = f"measured latency budget x{lat_budget:.2f}"
+        detail = (f"peak {plan.peak / 2**20:.2f} MiB ({plan.peak / self.before.peak:.2f}x), "
+                  f"measured x{ratio:.3f} (simulated x{plan.latency / base:.3f}), "
+                  f"{len(self.fits)} plan(s) measured")
+        self.message = (f"{what} met: {detail}" if self.met
+                        else f"{what} NOT met: the fastest measured has {detail}")
+        return plan
 
     @property
     def module(self) -> nn.Module:
