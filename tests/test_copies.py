@@ -3,6 +3,7 @@ right when the copies really are asynchronous (a CPU stand-in that does every co
 as late as a copy stream may, and leaves NaN in a loaded tensor until `ready`)."""
 import math
 
+import pytest
 import torch
 
 from magis_nb import zoo
@@ -145,3 +146,33 @@ def test_swapped_tensors_count_as_host_memory_on_the_cpu():
     mod = sw.module()
     m = measure_cpu(lambda: mod(x), [x])
     assert m.peak == sw.simulate().peak == 4 * 2**20
+
+
+def test_timed_sync_copies_time_every_cpu_copy_and_reset():
+    from magis_nb.runtime.copies import TimedSyncCopies, copies_for
+
+    io = copies_for("cpu", 3, timed=True)
+    assert isinstance(io, TimedSyncCopies)
+    x = torch.randn(256, 256)
+    pool = torch.empty_like(x)
+    io.store(0, pool, x)
+    back = io.load(0, pool, torch.device("cpu"))
+    torch.testing.assert_close(back, x, rtol=0, atol=0)
+    assert back.data_ptr() != pool.data_ptr()
+    st = io.stats()
+    assert st.copies == 2 and st.transfer_s > 0 and st.stall_s == st.transfer_s
+    assert io.stats().copies == 0           # stats() starts a new count
+
+
+def test_a_cpu_module_with_timed_copies_reports_its_transfers():
+    x = torch.randn(2**16)
+    prog = trace(LateUse(), (x,), mode="infer")
+    a, late = _ids(prog)
+    mod = prog.with_graph(swap(prog.graph, Ref(a, 0), [late])).module()
+    with pytest.raises(RuntimeError, match="timed_copies"):
+        mod.transfer_stats()
+    mod.timed_copies = True
+    for _ in range(2):
+        torch.testing.assert_close(mod(x), LateUse()(x))
+    st = mod.transfer_stats()
+    assert st.copies == 4 and st.transfer_s > 0        # a Store and a Load per step

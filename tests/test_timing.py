@@ -64,3 +64,6 @@ def test_bench_optimize_row_reports_the_ratio_with_its_quartiles():
     assert r["allclose"] is True and r["measured"] is True
     assert 0 < r["lat_ratio_q1"] <= r["lat_ratio"] <= r["lat_ratio_q3"]
     assert r["eager_s"] > 0 and r["opt_s"] > 0
+    # fit_measured timed select()'s pick at least; the copies columns are there
+    assert r["tried"] >= 1 and len(r["fits"]) == r["tried"]
+    assert min(r["copies_ms"], r["copies_priced_ms"], r["copies_alone_ms"]) >= 0

@@ -13,10 +13,12 @@ The generated code (see `codegen`) calls four methods of an ``io`` object:
 issues the copies on a dedicated copy stream and makes the compute stream wait
 only where a loaded tensor is first read, so transfers overlap compute as the
 plan's latency model assumes. `TimedCudaCopies` also times every transfer and
-every wait with CUDA events: how much transfer time compute actually waited for.
+every wait with CUDA events: how much transfer time compute actually waited for;
+`TimedSyncCopies` times the CPU's copies with the host clock.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -103,7 +105,8 @@ class CudaCopies:
 
 @dataclass
 class TransferStats:
-    """CUDA-event times of one step's transfers and of compute's waits for them."""
+    """Times of one step's transfers and of compute's waits for them (CUDA events;
+    the host clock for the CPU's synchronous copies)."""
     transfer_s: float = 0.0         # copy stream busy with Stores and Loads
     stall_s: float = 0.0            # compute stream waiting in ready()/finish()
     copies: int = 0
@@ -163,9 +166,35 @@ class TimedCudaCopies(CudaCopies):
         return st
 
 
+class TimedSyncCopies(SyncCopies):
+    """`SyncCopies` that time every copy with the host clock. On the CPU a copy
+    runs on the compute stream: all of its time is a stall. `stats()` returns
+    (and resets) what was copied since its last call."""
+
+    def __init__(self):
+        self._times: list[float] = []
+
+    def store(self, k: int, pool: torch.Tensor, x: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        super().store(k, pool, x)
+        self._times.append(time.perf_counter() - t0)
+
+    def load(self, k: int, pool: torch.Tensor, dev) -> torch.Tensor:
+        t0 = time.perf_counter()
+        out = super().load(k, pool, dev)
+        self._times.append(time.perf_counter() - t0)
+        return out
+
+    def stats(self) -> TransferStats:
+        total = sum(self._times)
+        st = TransferStats(transfer_s=total, stall_s=total, copies=len(self._times))
+        self._times = []
+        return st
+
+
 def copies_for(device, n: int, *, timed: bool = False):
     """The copies object a program with ``n`` swaps uses on ``device``."""
     device = torch.device(device)
     if device.type == "cuda" and n:
         return (TimedCudaCopies if timed else CudaCopies)(n, device)
-    return SYNC
+    return TimedSyncCopies() if timed else SYNC

@@ -25,8 +25,9 @@ class OptimizedModule(nn.Module):
 
     Swapped tensors go to pinned host buffers allocated once per plan. On a CUDA
     device the copies run asynchronously on a copy stream (`runtime.copies`);
-    elsewhere they are synchronous. ``timed_copies=True`` (CUDA only) times every
-    transfer and wait; `transfer_stats()` then reports the last step's.
+    elsewhere they are synchronous. ``timed_copies=True`` times every transfer
+    and wait (CUDA events; the host clock on the CPU, where every copy is a
+    wait); `transfer_stats()` then reports the steps' since its last call.
     """
 
     def __init__(self, model: nn.Module, cap: Captured, graph: Graph,
@@ -70,11 +71,10 @@ class OptimizedModule(nn.Module):
         return self._copies[key]
 
     def transfer_stats(self):
-        """`TransferStats` of the last step (needs ``timed_copies = True`` on CUDA)."""
+        """`TransferStats` of the steps since the last call (needs ``timed_copies = True``)."""
         io = self._copies.get((self._last_dev, True))
         if io is None or not hasattr(io, "stats"):
-            raise RuntimeError("no timed CUDA step ran: set timed_copies = True and run a "
-                               "step on a CUDA device first")
+            raise RuntimeError("no timed step ran: set timed_copies = True and run a step first")
         return io.stats()
 
     def _check(self, inputs: tuple) -> None:

@@ -10,6 +10,7 @@ chosen plan and `timeline` gives the per-category memory curve for plots.
 """
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -155,6 +156,10 @@ class OptimizeResult:
             if i not in ratios:
                 ratios[i] = float(measure(self.module_for(front[i])))
                 self.fits.append((front[i], ratios[i]))
+                # drop it (and its host buffers) before the next plan runs: modules
+                # piling up change the process's memory, and later timings with it
+                self._modules.pop(id(front[i]), None)
+                gc.collect()
             return ratios[i]
 
         # over: a plan known to measure over the budget; ok: one known to fit
