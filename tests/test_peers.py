@@ -153,9 +153,16 @@ def test_check_counts_peer_points():
     assert acc["best_peak_ratio_within_10pct"] == 0.35
 
 
-def test_spread_keeps_both_ends():
-    assert S.spread(list(range(10)), 4) == [0, 3, 6, 9]
-    assert S.spread([1, 2], 6) == [1, 2]
+def test_spread_keeps_both_ends_and_spaces_the_peaks():
+    ident = lambda p: p  # noqa: E731
+    assert S.spread(list(range(10)), 4, key=ident) == [0, 3, 6, 9]
+    assert S.spread([1, 2], 6, key=ident) == [1, 2]
+    # U-Net's front in the last peers run (simulated peak ratios): by index, the
+    # spread measured both 0.281 plans and skipped 0.893 (remat 4)
+    front = [0.281, 0.281, 0.507, 0.657, 0.786, 0.893, 1.0, 1.005]
+    assert S.spread(front, 6, key=ident) == [0.281, 0.507, 0.657, 0.786, 0.893, 1.005]
+    # evenly spaced peaks, not indices: a cluster at the low end gets one point
+    assert S.spread([0.1, 0.11, 0.12, 0.13, 0.5, 1.0], 3, key=ident) == [0.1, 0.5, 1.0]
 
 
 @pytest.fixture(scope="module")

@@ -123,12 +123,24 @@ def rockmate(case) -> list[Candidate]:
     return [_cand("", step, m, prep_s=prep)]
 
 
-def spread(plans: list, k: int) -> list:
-    """At most ``k`` plans of a front sorted by peak: both ends and evenly between."""
-    if len(plans) <= k:
-        return list(plans)
-    idx = sorted({round(i * (len(plans) - 1) / (k - 1)) for i in range(k)})
-    return [plans[i] for i in idx]
+def spread(plans: list, k: int, key=lambda p: p.peak) -> list:
+    """At most ``k`` plans of a front sorted by ``key`` (the peak): both ends, and
+    between them the plans nearest to evenly spaced peaks. Plans with the same
+    peak count once (the first, the faster on a front): measuring both would
+    spend a point on one peak and leave a stretch of the front unmeasured."""
+    uniq = []
+    for p in plans:
+        if not uniq or key(p) != key(uniq[-1]):
+            uniq.append(p)
+    if len(uniq) <= k:
+        return uniq
+    lo, hi = key(uniq[0]), key(uniq[-1])
+    chosen: list[int] = []
+    for i in range(k):
+        target = lo + (hi - lo) * i / (k - 1)
+        free = [j for j in range(len(uniq)) if j not in chosen]
+        chosen.append(min(free, key=lambda j: (abs(key(uniq[j]) - target), j)))
+    return [uniq[j] for j in sorted(chosen)]
 
 
 def magis(time_budget: float, points: int, lat_budget: float = 1.10, backend: str | None = None):
@@ -151,7 +163,7 @@ def magis(time_budget: float, points: int, lat_budget: float = 1.10, backend: st
         prep = time.perf_counter() - t0
         params, buffers = list(case.model.parameters()), list(case.model.buffers())
         out = []
-        front = spread(sorted(res.pareto, key=lambda p: p.peak), points)
+        front = spread(sorted(res.pareto, key=lambda p: (p.peak, p.latency)), points)
         for i, plan in enumerate(front):
             mod = res.module_for(plan)
             host = sum(t.numel() * t.element_size() for t in getattr(mod, "_pools", []))
