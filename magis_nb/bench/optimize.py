@@ -75,8 +75,10 @@ def cpu_row(name: str, kind: str, budget: float, time_budget: float, reps: int) 
             "applied": res.plan.applied, "states": res.states, "seconds": round(seconds, 1),
             # lat rows: the plan select() picked on simulated latency, and each plan
             # fit_measured timed on the way (its measured ratio)
-            "tried": len(res.fits), "sim_pick": sim_pick.applied, "sim_pick_lat_ratio": round(sim_pick.latency / res.before.latency, 4),
-            "fits": [[p.applied, round(p.peak / res.before.peak, 4), round(r, 4)] for p, r in res.fits]}
+            "tried": len(res.fits), "sim_pick": sim_pick.applied,
+            "sim_pick_lat_ratio": round(sim_pick.latency / res.before.latency, 4),
+            "fits": [[p.applied, round(p.peak / res.before.peak, 4), round(r, 4)]
+                     for p, r in res.fits]}
 
 
 def swap_copies(res, mod, step, steps: int = 3) -> dict:
@@ -145,8 +147,9 @@ def main(argv) -> int:
                 rows.append(r)
                 print(table([r], cols + [("lat_ratio_q1", "q1"), ("lat_ratio_q3", "q3"),
                                          ("sim_mem_ratio", "sim mem"), ("sim_lat_ratio", "sim lat"),
-                                         ("sim_vs_measured", "sim err"), ("tried", "timed"), ("copies_ms", "copies ms"),
-                                         ("copies_priced_ms", "priced"), ("copies_alone_ms", "alone"),
+                                         ("sim_vs_measured", "sim err"), ("tried", "timed"),
+                                         ("copies_ms", "copies ms"), ("copies_priced_ms", "priced"),
+                                         ("copies_alone_ms", "alone"),
                                          ("allclose", "allclose"),
                                          ("applied", "applied"), ("seconds", "s")]), flush=True)
     if a.part in ("b", "all"):
