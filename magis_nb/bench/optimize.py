@@ -59,7 +59,6 @@ def cpu_row(name: str, kind: str, budget: float, time_budget: float, reps: int) 
     chk = ref.check(mod)
     t = timed(mod)
     q1, q3 = t.quartiles
-    ref.restore()
     copies = swap_copies(res, mod, lambda: mod(*case.inputs))
     ref.restore()
     return {"model": name, "size": "tiny", "profile": res.profile, "budget_kind": kind,

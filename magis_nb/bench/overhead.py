@@ -21,7 +21,7 @@ import torch
 
 from .. import zoo
 from ..capture import eager_step
-from ..search import optimize
+from ..program import trace
 from .common import fixed_threads, parser, table, write_json
 from .timing import clear_grads, time_steps
 
@@ -44,8 +44,7 @@ def _kernels_ms(ops) -> float:
 
 def run(name: str, size: str, reps: int, compiled: bool, top: int, share_conv: bool = True) -> dict:
     case = zoo.build(name, size)
-    res = optimize(case.model, case.inputs, loss_fn=case.loss_fn, max_states=1, time_budget=60)
-    prog = res._builder.module(res.before)
+    prog = trace(case.model, case.inputs, loss_fn=case.loss_fn).module()  # PyTorch's order
     ref_model = copy.deepcopy(case.model)
     if compiled:
         import torch._inductor.config as iconfig
