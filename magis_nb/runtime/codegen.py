@@ -16,6 +16,7 @@ import torch
 from ..ir.graph import Graph, Ref, iter_refs
 from ..rules.swap import swap_ops
 from .copies import SYNC
+from .kernels import SUBSTITUTES, namespace
 
 _counter = itertools.count()
 
@@ -52,6 +53,8 @@ def _call(g: Graph, nid: int) -> str:
         raise NotImplementedError(f"op {n.target} is not an ATen operator")
     ns, rest = n.target.split(".", 1)
     fn = f"{ns}.{rest}" if ns == "aten" else f"torch.ops.{n.target}"
+    if n.target in SUBSTITUTES:
+        fn = SUBSTITUTES[n.target][0]   # the same result, faster (runtime.kernels)
     parts = [_render(g, a) for a in n.args]
     parts += [f"{k}={_render(g, v)}" for k, v in n.kwargs.items()]
     return f"{fn}({', '.join(parts)})"
@@ -272,6 +275,6 @@ def compile_source(src: str, fn_name: str = "step"):
     """Compile generated source; tracebacks through it show the generated lines."""
     filename = f"<magis_nb-generated-{next(_counter)}>"
     linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
-    ns = {"torch": torch, "aten": torch.ops.aten, "_SYNC": SYNC}
+    ns = {"torch": torch, "aten": torch.ops.aten, "_SYNC": SYNC, **namespace()}
     exec(compile(src, filename, "exec"), ns)
     return ns[fn_name]
