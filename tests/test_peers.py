@@ -296,3 +296,12 @@ def test_magis_plus_inductor_converts_a_unet_skip_once():
     assert comp.error is None and comp.allclose is True, comp
     assert comp.peak <= 1.02 * plain_r.peak, (comp.peak, plain_r.peak)
     assert log["conv_inputs_shared"] > 0, log
+
+
+def test_check_without_an_eager_row_has_no_peak_ratios_and_does_not_fail():
+    # `bench peers --strategies magis+inductor` alone: no eager row, so no peak ratio
+    rows = [Result("m", "magis+inductor", "plan 1/2", peak=30, time=1.0, time_ratio=0.9),
+            Result("m", "magis+inductor", "plan 2/2", peak=50, time=0.8, time_ratio=0.8)]
+    add_ratios(rows)
+    acc = peers.check(rows, 0.02)["m"]
+    assert acc["best_peak_ratio_within_10pct"] is None and acc["peer_points"] == 0

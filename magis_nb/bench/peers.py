@@ -80,7 +80,7 @@ def check(results: list[Result], tol: float) -> dict:
         peers = [r for r in rows if r.strategy not in OURS]
         beaten = [r for r in peers if dominated((r.peak, r.time_ratio), front, tol)]
         ok10 = [r.peak_ratio for r in rows if r.strategy in OURS and r.time_ratio is not None
-                and r.time_ratio <= 1.10]
+                and r.peak_ratio is not None and r.time_ratio <= 1.10]
         out[m] = {"dominates": len(beaten) == len(peers) and bool(front),
                   "peer_points": len(peers), "dominated_points": len(beaten),
                   "not_dominated": [f"{r.strategy} {r.setting}".strip() for r in peers if r not in beaten],
