@@ -222,3 +222,28 @@ def test_ctrl_c_keeps_the_best_plan_so_far(ip, monkeypatch):
     assert r.interrupted and calls[-1].done and r.seconds < 30
     assert "interrupted, best plan so far" in out.stdout
     assert ip.user_ns["model_opt"] is r.module_for(r.plan)
+
+
+def test_measured_latency_budget_times_plans_and_leaves_the_model_as_it_was(ip):
+    body = MODEL + "\nimport copy\nbefore = copy.deepcopy(model.state_dict())\n"
+    res, out = magis(ip, "--measured --lat 3 --no-plot", body)
+    assert res.error_in_exec is None, out.stdout + out.stderr
+    ns = ip.user_ns
+    r = ns["model_opt_result"]
+    assert 1 <= len(r.fits) <= 6 and r.met and r.budget_kind == "lat" and r.budget_ratio == 3
+    assert r.message.startswith("measured latency budget x3.00 met")
+    chosen = [ratio for plan, ratio in r.fits if plan is r.plan]
+    assert chosen and chosen[0] <= 3
+    assert "timing plans against eager PyTorch" in out.stdout
+    # timing ran training steps: the user's model is back as the cell left it
+    after = ns["model"].state_dict()
+    assert all(torch.equal(after[k], v) for k, v in ns["before"].items())
+    assert all(p.grad is None for p in ns["model"].parameters())
+
+
+def test_measured_flag_errors(ip):
+    _untouched(ip, "--measured --mem 0.5", "a = 1", "not --mem")
+    _untouched(ip, "--measured --profile rtx3090", "a = 1", "leave out --profile rtx3090")
+    # no plan can run at a hundredth of eager's time: nothing is bound
+    _, msg = _untouched(ip, "--measured --lat 0.01", MODEL, "could not meet the latency budget x0.01")
+    assert "in wall time" in msg and "Nothing was bound" in msg

@@ -33,6 +33,7 @@ class MagisFlags:
     quiet: bool = False
     plot: bool = True
     algebra: bool = True
+    measured: bool = False             # the latency budget holds for measured wall time
 
 
 def parse_mem(text: str | None) -> float | int | None:
@@ -110,6 +111,14 @@ def from_args(args) -> MagisFlags:
     if args.mem is not None and args.lat is not None:
         raise UsageError("give --mem or --lat, not both: a memory budget picks the fastest "
                          "plan under it, a latency budget the lowest peak within it")
+    profile = check_profile(args.profile)
+    if args.measured:
+        if args.mem is not None:
+            raise UsageError("--measured times plans against a latency budget: use it with "
+                             "--lat (or no budget, for x1.1), not --mem")
+        if profile is not None and not profile.startswith("measured"):
+            raise UsageError(f"--measured times plans on this machine: leave out --profile "
+                             f"{profile} (a roofline plans for another device)")
     return MagisFlags(
         model=check_identifier("--model", args.model),
         inputs=parse_names("--inputs", args.inputs),
@@ -118,9 +127,10 @@ def from_args(args) -> MagisFlags:
         mem=parse_mem(args.mem),
         lat=parse_ratio("--lat", args.lat),
         time=60.0 if time is None else time,
-        profile=check_profile(args.profile),
+        profile=profile,
         out=check_identifier("-o", args.out),
         quiet=args.quiet,
         plot=not args.no_plot,
         algebra=not args.no_algebra,
+        measured=args.measured,
     )

@@ -8,7 +8,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from . import flags as F
 from .cellexec import run_cell_body
 from .discover import discover
-from .session import Session, infeasible_message
+from .session import Session, infeasible_message, measured_infeasible_message
 
 
 @magics_class
@@ -43,6 +43,9 @@ class MagisMagics(Magics):
     @argument("--no-algebra", dest="no_algebra", action="store_true",
               help="no algebraic rewrites (merged matmuls, moved scales): the plan's "
               "ops stay those of the model")
+    @argument("--measured", action="store_true",
+              help="the latency budget (--lat, default 1.1) holds for wall time measured "
+              "against eager PyTorch here: plans of the Pareto front are timed (at most 6)")
     @cell_magic
     def magis(self, line, cell):
         """Run the cell, then optimize the model it defined for memory (MAGIS).
@@ -88,6 +91,14 @@ class MagisMagics(Magics):
             raise
         if progress is not None:
             progress.close()
+        if args.measured and not result.interrupted:
+            from .walltime import plan_timer
+            if not args.quiet:
+                print("timing plans against eager PyTorch (--measured) ...", flush=True)
+            measure = plan_timer(found.model, found.inputs, found.loss_fn, args.mode)
+            result.fit_measured(measure, args.lat if args.lat is not None else 1.10)
+            if not result.met:
+                raise UsageError(measured_infeasible_message(result))
         if not result.met and not result.interrupted and result.budget_kind is not None:
             raise UsageError(infeasible_message(result))
         session = Session(ns, name, found.model_name, result)

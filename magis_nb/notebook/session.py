@@ -68,3 +68,12 @@ def infeasible_message(r: OptimizeResult) -> str:
             f"(x{low / r.before.peak:.3f} of {r.before.peak / MiB:.2f} MiB) in "
             f"{r.seconds:.1f} s. Raise --mem, give the search more --time, or shrink the "
             "batch. Nothing was bound.")
+
+
+def measured_infeasible_message(r: OptimizeResult) -> str:
+    """The UsageError text when no timed plan met ``--measured``'s latency budget."""
+    fastest = min(ratio for _, ratio in r.fits)
+    return (f"%%magis --measured could not meet the latency budget x{r.budget_ratio:.2f} "
+            f"in wall time: the fastest of the {len(r.fits)} plan(s) timed ran at "
+            f"x{fastest:.3f} of eager PyTorch's step. Raise --lat, or drop --measured to "
+            "bound the simulated latency. Nothing was bound.")

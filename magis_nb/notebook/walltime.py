@@ -1,0 +1,71 @@
+"""Wall time of a plan's step against eager PyTorch, for ``%%magis --measured``.
+
+`plan_timer` returns the ``measure`` that `OptimizeResult.fit_measured` takes:
+the median per-pair ratio of a plan module's step to eager PyTorch's step on a
+copy of the model, the two alternating (`bench.timing.time_steps`). A plan's
+step trains the user's model (gradients, BatchNorm statistics) and draws from
+the RNG; all of it is put back after every timing, so the model is left as the
+cell defined it.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from ..bench.timing import clear_grads, time_steps
+from ..capture import eager_step
+
+
+class _Snapshot:
+    """Parameters, buffers, gradients and RNG state of a model, to put back."""
+
+    def __init__(self, model: nn.Module, cuda: bool):
+        self.model, self.cuda = model, cuda
+        self.state = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
+        self.grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+        self.rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if cuda else None
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for k, v in self.model.state_dict(keep_vars=True).items():
+                v.copy_(self.state[k])
+        for p, g in zip(self.model.parameters(), self.grads):
+            p.grad = g
+        torch.set_rng_state(self.rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+
+
+def plan_timer(model: nn.Module, inputs, loss_fn: Callable | None, mode: str,
+               reps: int = 7) -> Callable[[nn.Module], float]:
+    """``measure(module) -> time ratio`` of the module's step to eager PyTorch's."""
+    inputs = tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)
+    cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs)
+    eager = copy.deepcopy(model)
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def step(mod):
+        mod(*inputs)
+        sync()
+
+    def ref():
+        eager_step(eager, inputs, loss_fn, mode)
+        sync()
+
+    def measure(mod: nn.Module) -> float:
+        snap = _Snapshot(model, cuda)
+        try:
+            t = time_steps(lambda: step(mod), reps, before=clear_grads(model.parameters()),
+                           ref=ref, ref_before=clear_grads(eager.parameters()))
+        finally:
+            snap.restore()
+        return t.ratio
+
+    return measure
