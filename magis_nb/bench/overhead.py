@@ -10,14 +10,25 @@ step by `torch.compile`; "inductor kernels" is then the self time of inductor's
 generated kernels (kernel profiling on), and --no-conv-share leaves out
 `peers_compile.share_conv_inputs` (each convolution copies its own inputs).
 
+With --by-op (not with --compiled), the op table comes from a wall clock
+around every ATen call instead (`clock_ops`, a TorchDispatchMode below autograd,
+the same on both sides). The profiler's per-event cost grows with its events,
+and eager has many more (autograd's nodes): it put eager BERT's op self time
+above its wall time. The clock is what found the program's slow dropout mask
+multiply (runtime/kernels.py, Note [applying a dropout mask]).
+
 This is what a plan's measured time adds to its simulated one: the simulator
 prices the program as its ops timed alone.
 """
 from __future__ import annotations
 
 import copy
+import time
+from collections import defaultdict
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from .. import zoo
 from ..capture import eager_step
@@ -38,11 +49,45 @@ def profile_ops(fn, steps: int = 3) -> dict[tuple[str, str], tuple[float, int]]:
             for e in prof.key_averages(group_by_input_shape=True)}
 
 
+class _OpClock(TorchDispatchMode):
+    """Wall seconds and calls of every ATen call, by (op, input shapes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seconds: dict[tuple[str, str], float] = defaultdict(float)
+        self.calls: dict[tuple[str, str], int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        t0 = time.perf_counter()
+        out = func(*args, **kwargs)
+        dt = time.perf_counter() - t0
+        shapes = str([list(t.shape) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
+        key = (str(func), shapes)
+        self.seconds[key] += dt
+        self.calls[key] += 1
+        return out
+
+
+def clock_ops(fn, steps: int = 5) -> dict[tuple[str, str], tuple[float, int]]:
+    """(op, input shapes) -> (ms per step, calls per step) over ``steps`` calls of
+    ``fn``, each ATen call timed by the wall clock (after one untimed call)."""
+    fn()
+    clock = _OpClock()
+    with clock:
+        for _ in range(steps):
+            fn()
+    return {k: (clock.seconds[k] * 1e3 / steps, clock.calls[k] // steps) for k in clock.seconds}
+
+
 def _kernels_ms(ops) -> float:
     return sum(ms for (key, _), (ms, _) in ops.items() if "cpp_fused" in key)
 
 
-def run(name: str, size: str, reps: int, compiled: bool, top: int, share_conv: bool = True) -> dict:
+def run(name: str, size: str, reps: int, compiled: bool, top: int, share_conv: bool = True,
+        by_op: bool = False) -> dict:
+    if by_op and compiled:
+        raise ValueError("--by-op times ATen calls; a compiled step runs inductor's kernels")
     case = zoo.build(name, size)
     prog = trace(case.model, case.inputs, loss_fn=case.loss_fn).module()  # PyTorch's order
     ref_model = copy.deepcopy(case.model)
@@ -69,7 +114,8 @@ def run(name: str, size: str, reps: int, compiled: bool, top: int, share_conv: b
 
     t = time_steps(step, reps, before=clear_grads(case.model.parameters()),
                    ref=ref, ref_before=clear_grads(ref_model.parameters()))
-    ours, theirs = profile_ops(step), profile_ops(ref)
+    ops = clock_ops if by_op else profile_ops
+    ours, theirs = ops(step), ops(ref)
     keys = sorted(set(ours) | set(theirs),
                   key=lambda k: -abs(ours.get(k, (0.0, 0))[0] - theirs.get(k, (0.0, 0))[0]))
     rows = []
@@ -79,6 +125,7 @@ def run(name: str, size: str, reps: int, compiled: bool, top: int, share_conv: b
                      "pytorch_ms": round(b, 2), "pytorch_calls": nb})
     q1, q3 = t.quartiles
     out = {"model": name, "size": size, "compiled": compiled, "share_conv": share_conv,
+           "op_times": "wall clock per ATen call" if by_op else "profiler self time",
            "time_ratio": round(t.ratio, 4),
            "time_ratio_q1": round(q1, 4), "time_ratio_q3": round(q3, 4),
            "program_s": round(t.step_s, 4), "pytorch_s": round(t.ref_s, 4),
@@ -99,16 +146,21 @@ def main(argv) -> int:
     p.add_argument("--no-conv-share", action="store_true",
                    help="with --compiled: without peers_compile.share_conv_inputs")
     p.add_argument("--top", type=int, default=12, help="ops listed, by self-time difference")
+    p.add_argument("--by-op", action="store_true",
+                   help="op times by a wall clock around each ATen call (clock_ops), not the profiler")
     a = p.parse_args(argv)
     fixed_threads()
     out = []
     for name in a.models.split(","):
-        r = run(name, a.size, a.reps, a.compiled, a.top, share_conv=not a.no_conv_share)
+        if a.by_op and a.compiled:
+            p.error("--by-op times ATen calls: not with --compiled")
+        r = run(name, a.size, a.reps, a.compiled, a.top, share_conv=not a.no_conv_share, by_op=a.by_op)
         out.append(r)
         extra = (f"; inductor kernels {r['program_kernels_ms']} ms against {r['pytorch_kernels_ms']} ms"
                  if a.compiled else "")
         print(f"{name} ({a.size}{', compiled' if a.compiled else ''}): program / PyTorch "
-              f"x{r['time_ratio']} (q1-q3 {r['time_ratio_q1']}-{r['time_ratio_q3']}); self time per "
+              f"x{r['time_ratio']} (q1-q3 {r['time_ratio_q1']}-{r['time_ratio_q3']}); "
+              f"{'ATen calls (wall clock)' if a.by_op else 'self time'} per "
               f"step {r['program_self_ms']} ms against {r['pytorch_self_ms']} ms{extra}")
         print(table(r["ops"], [("op", "op"), ("shapes", "input shapes"), ("program_ms", "program ms"),
                                ("program_calls", "calls"), ("pytorch_ms", "PyTorch ms"),
