@@ -305,3 +305,21 @@ def test_check_without_an_eager_row_has_no_peak_ratios_and_does_not_fail():
     add_ratios(rows)
     acc = peers.check(rows, 0.02)["m"]
     assert acc["best_peak_ratio_within_10pct"] is None and acc["peer_points"] == 0
+
+
+def test_magis_candidates_build_their_module_at_the_first_step_and_release_it():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    case = zoo.ZooCase("mlp3", "tiny", model, (torch.randn(32, 16), torch.randint(0, 4, (32,))),
+                       nn.functional.cross_entropy, torch.float32, "")
+    cands = S.magis(3.0, 2)(case)
+    assert cands and all(c.release is not None for c in cands)
+    res = cands[0].step.__closure__          # the OptimizeResult the candidates share
+    result = next(x.cell_contents for x in res if hasattr(x.cell_contents, "module_for"))
+    assert result._modules == {}             # nothing built before a candidate runs
+    released = []
+    for c in cands:
+        c.release = (lambda r=c.release, s=c.setting: (r(), released.append(s)))
+    rows = measure(case, "magis", lambda _: cands, reps=1)
+    assert [r.setting for r in rows] == released and all(r.allclose for r in rows)
+    assert result._modules == {}             # each module dropped once measured

@@ -17,6 +17,7 @@ strategies that do not compile.
 from __future__ import annotations
 
 import copy
+import gc
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -40,6 +41,7 @@ class Candidate:
     note: str = ""
     extra: dict = field(default_factory=dict)
     forward: Callable[[], object] | None = None  # forward only (returns what backward needs)
+    release: Callable[[], None] | None = None    # drops what step built, once it is measured
 
 
 @dataclass
@@ -200,6 +202,10 @@ def measure(case, strategy: str, make: Callable, reps: int = 7,
             state.restore(c.params)
         except Exception as e:
             r.error = f"{type(e).__name__}: {e}".strip()[:500]
+        finally:
+            if c.release is not None:
+                c.release()
+                gc.collect()
         out.append(r)
     return out
 

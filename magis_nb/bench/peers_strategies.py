@@ -165,17 +165,10 @@ def magis(time_budget: float, points: int, lat_budget: float = 1.10, backend: st
         out = []
         front = spread(sorted(res.pareto, key=lambda p: (p.peak, p.latency)), points)
         for i, plan in enumerate(front):
-            mod = res.module_for(plan)
-            host = sum(t.numel() * t.element_size() for t in getattr(mod, "_pools", []))
-            extra = {}
-            if backend is not None:
-                from .peers_compile import compile_plan
-
-                extra["opaque"] = {}  # filled by the first step, which compiles
-                compile_plan(mod, backend, log=extra["opaque"])
+            step, release, host, extra = _lazy_plan(res, plan, case.inputs, backend)
             out.append(Candidate(
-                f"plan {i + 1}/{len(front)}", (lambda mod=mod: mod(*case.inputs)), params, buffers,
-                prep_s=prep, note=plan.applied, trackable=backend is None,
+                f"plan {i + 1}/{len(front)}", step, params, buffers,
+                prep_s=prep, note=plan.applied, trackable=backend is None, release=release,
                 extra={**extra, "sim_peak": plan.peak, "sim_latency": plan.latency,
                        "sim_peak_ratio": round(plan.peak / res.before.peak, 4),
                        "sim_lat_ratio": round(plan.latency / res.before.latency, 4),
@@ -183,6 +176,35 @@ def magis(time_budget: float, points: int, lat_budget: float = 1.10, backend: st
         return out
 
     return make
+
+
+def _lazy_plan(res, plan, inputs, backend):
+    """(step, release, host bytes, extra) of one plan. Its module (host buffers,
+    compiled code) is built at the first step and dropped by ``release``, so only
+    the plan being measured is alive: modules piling up change the process's
+    memory and the timings made in it (see `OptimizeResult.fit_measured`)."""
+    mod = res.module_for(plan)       # once, for its host buffers' size
+    host = sum(t.numel() * t.element_size() for t in getattr(mod, "_pools", []))
+    del mod
+    res._modules.pop(id(plan), None)
+    extra = {"opaque": {}} if backend is not None else {}   # filled by the compiling step
+    live = {}
+
+    def step():
+        if "mod" not in live:
+            mod = res.module_for(plan)
+            if backend is not None:
+                from .peers_compile import compile_plan
+
+                compile_plan(mod, backend, log=extra["opaque"])
+            live["mod"] = mod
+        return live["mod"](*inputs)
+
+    def release():
+        live.clear()
+        res._modules.pop(id(plan), None)
+
+    return step, release, host, extra
 
 
 def strategies(magis_time: float = 60.0, magis_points: int = 6, backend: str = "inductor"):
