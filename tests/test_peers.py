@@ -323,3 +323,9 @@ def test_magis_candidates_build_their_module_at_the_first_step_and_release_it():
     rows = measure(case, "magis", lambda _: cands, reps=1)
     assert [r.setting for r in rows] == released and all(r.allclose for r in rows)
     assert result._modules == {}             # each module dropped once measured
+    for c in cands:                          # host bytes read off the plan match its module's
+        plan = next(p for p in result.pareto if p.applied == c.note and p.peak == c.extra["sim_peak"])
+        pools = result.module_for(plan)._pools
+        assert c.extra["host_bytes"] == sum(t.numel() * t.element_size() for t in pools)
+        result.drop_module(plan)
+    assert result._modules == {}

@@ -4,6 +4,7 @@ import torch
 from magis_nb.ir import Ref, graph_digest
 from magis_nb.program import trace
 from magis_nb.rules import swap, unswap
+from magis_nb.rules.swap import pool_inputs
 from magis_nb.runtime import measure_cpu
 
 from test_remat import LateUse, _ids
@@ -21,6 +22,8 @@ def test_swap_lowers_the_device_peak_exactly():
     assert sw.simulate().peak == 4 * MiB
     mod = sw.module()
     assert len(mod._pools) == 1 and mod._pools[0].numel() == MiB // 4
+    # the plan's graph says what host memory its module will hold, without building it
+    assert [n.outputs[0].nbytes for n in pool_inputs(sw.graph)] == [MiB]
     m = measure_cpu(lambda: mod(x), [x])
     assert m.peak == 4 * MiB
     torch.testing.assert_close(m.result, LateUse()(x))

@@ -149,11 +149,11 @@ def main(argv) -> int:
     p.add_argument("--by-op", action="store_true",
                    help="op times by a wall clock around each ATen call (clock_ops), not the profiler")
     a = p.parse_args(argv)
+    if a.by_op and a.compiled:
+        p.error("--by-op times ATen calls: not with --compiled")
     fixed_threads()
     out = []
     for name in a.models.split(","):
-        if a.by_op and a.compiled:
-            p.error("--by-op times ATen calls: not with --compiled")
         r = run(name, a.size, a.reps, a.compiled, a.top, share_conv=not a.no_conv_share, by_op=a.by_op)
         out.append(r)
         extra = (f"; inductor kernels {r['program_kernels_ms']} ms against {r['pytorch_kernels_ms']} ms"

@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from ..capture import eager_step
 from ..capture.export import _Step
 from ..capture.outputs import find_loss
+from ..rules.swap import pool_inputs
 from .peers_harness import Candidate
 
 # Blocks to checkpoint, as module paths ("*": every child of a ModuleList/Sequential).
@@ -183,10 +184,7 @@ def _lazy_plan(res, plan, inputs, backend):
     compiled code) is built at the first step and dropped by ``release``, so only
     the plan being measured is alive: modules piling up change the process's
     memory and the timings made in it (see `OptimizeResult.fit_measured`)."""
-    mod = res.module_for(plan)       # once, for its host buffers' size
-    host = sum(t.numel() * t.element_size() for t in getattr(mod, "_pools", []))
-    del mod
-    res._modules.pop(id(plan), None)
+    host = sum(n.outputs[0].nbytes for n in pool_inputs(plan.state.graph))
     extra = {"opaque": {}} if backend is not None else {}   # filled by the compiling step
     live = {}
 
@@ -202,7 +200,7 @@ def _lazy_plan(res, plan, inputs, backend):
 
     def release():
         live.clear()
-        res._modules.pop(id(plan), None)
+        res.drop_module(plan)
 
     return step, release, host, extra
 

@@ -92,11 +92,12 @@ class MagisMagics(Magics):
         if progress is not None:
             progress.close()
         if args.measured and not result.interrupted:
+            from ..search.optimize import DEFAULT_LAT
             from .walltime import plan_timer
             if not args.quiet:
                 print("timing plans against eager PyTorch (--measured) ...", flush=True)
             measure = plan_timer(found.model, found.inputs, found.loss_fn, args.mode)
-            result.fit_measured(measure, args.lat if args.lat is not None else 1.10)
+            result.fit_measured(measure, args.lat if args.lat is not None else DEFAULT_LAT)
             if not result.met:
                 raise UsageError(measured_infeasible_message(result))
         if not result.met and not result.interrupted and result.budget_kind is not None:

@@ -42,6 +42,11 @@ def is_load(g: Graph, nid: int) -> bool:
         and isinstance(n.args[0], Ref) and is_store(g, n.args[0].node)
 
 
+def pool_inputs(g: Graph) -> list[Node]:
+    """The host buffers swaps copy into: graph inputs with role ("pool", i)."""
+    return [n for n in g.inputs if n.role and n.role[0] == "pool"]
+
+
 def swap_ops(g: Graph) -> tuple[list[int], list[int]]:
     """(stores, loads) node ids, in node order."""
     stores = [n.id for n in g.ops if is_store(g, n.id)]
@@ -76,7 +81,7 @@ def swap_all(g: Graph, specs: Iterable[tuple[Ref, Iterable[int]]]) -> Graph:
         if not users or not users <= rd.get(a, set()):
             raise ValueError(f"users must read {src.name}'s output {a.out}")
     # numbered past the largest pool index: an unswap may have left a gap
-    n_pools = 1 + max((n.role[1] for n in g.inputs if n.role and n.role[0] == "pool"), default=-1)
+    n_pools = 1 + max((n.role[1] for n in pool_inputs(g)), default=-1)
     last_input = max(n.id for n in g.inputs)
     by_first: dict[int, list[int]] = {}
     by_user: dict[int, list[int]] = {}

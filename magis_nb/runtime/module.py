@@ -9,7 +9,7 @@ import torch.nn as nn
 from ..capture.export import Captured
 from ..capture.outputs import unflatten
 from ..ir.graph import Graph
-from ..rules.swap import swap_ops
+from ..rules.swap import pool_inputs, swap_ops
 from .codegen import compile_source, generate
 from .copies import copies_for
 
@@ -51,7 +51,7 @@ class OptimizedModule(nn.Module):
         # call (pinned when a GPU could copy from them asynchronously).
         pin = torch.cuda.is_available()
         self._pools = [torch.empty(n.outputs[0].shape, dtype=n.outputs[0].dtype, pin_memory=pin)
-                       for n in graph.inputs if n.role and n.role[0] == "pool"]
+                       for n in pool_inputs(graph)]
         stores, loads = swap_ops(graph)
         self._n_loads = len(loads) if stores else 0
         self._swaps = bool(stores)

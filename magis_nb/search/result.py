@@ -158,8 +158,7 @@ class OptimizeResult:
                 self.fits.append((front[i], ratios[i]))
                 # drop it (and its host buffers) before the next plan runs: modules
                 # piling up change the process's memory, and later timings with it
-                self._modules.pop(id(front[i]), None)
-                gc.collect()
+                self.drop_module(front[i])
             return ratios[i]
 
         # over: a plan known to measure over the budget; ok: one known to fit
@@ -201,6 +200,12 @@ class OptimizeResult:
         if key not in self._modules:
             self._modules[key] = self._builder.module(plan)
         return self._modules[key]
+
+    def drop_module(self, plan: Plan) -> None:
+        """Forget ``plan``'s built module (and its host buffers); `module_for`
+        builds it again when asked."""
+        if self._modules.pop(id(plan), None) is not None:
+            gc.collect()
 
     @property
     def code(self) -> str:
