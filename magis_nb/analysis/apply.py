@@ -156,6 +156,22 @@ def apply_fission(dg: DGraph, regions: Iterable[FTrans]) -> Graph:
     return b.finish([resolve(r) for r in g.outputs], g.output_roles)
 
 
+def _fused_matmuls(g: Graph, f: FTrans, plan) -> set[Ref]:
+    """Summed region outputs that a plain ``mm`` makes and nothing in the region
+    reads: each part's product can be added into the sum by the GEMM itself
+    (``addmm_``). Weight gradients of a batch-split region are these; with a
+    separate ``add_`` they cost a full read-modify-write of every weight per
+    part (GPT-Neo at n=16: 5,088 adds, 8% of the simulated step)."""
+    read = {r for v in f.ops for r in iter_refs((g.nodes[v].args, g.nodes[v].kwargs))}
+    out = set()
+    for r, (how, _) in plan.items():
+        n = g.nodes[r.node]
+        if how in ("sum", "mean") and n.target == "aten.mm.default" and r.out == 0 \
+                and r not in read and not n.kwargs:
+            out.add(r)
+    return out
+
+
 class _Ext(Ref):
     """A reference to a tensor of the original graph, resolved after all regions exist."""
 
@@ -200,6 +216,7 @@ def _expand_region(b: _Builder, dg: DGraph, f: FTrans, rid: int, plan, joined) -
                             g.nodes[r.node].category)
             dest[r] = acc_init
     writes: dict[Ref, list[int]] = {r: [] for r in plan}
+    fused = _fused_matmuls(g, f, plan)
     prev_part: list[int] = []
     for k in range(n):
         first_of_part = len(b.nodes)
@@ -280,6 +297,15 @@ def _expand_region(b: _Builder, dg: DGraph, f: FTrans, rid: int, plan, joined) -
                 w = b.op("aten.copy_.default", aten.copy_.default, [Ref(sl, 0), pr], {},
                          [_info(shape, t, alias=Ref(sl, 0))], key(1, k), f"{nm}_c{k}", cat,
                          (rid, k, n, 0))
+            elif r in fused:
+                # The part's matmul accumulates into the sum itself (a GEMM with
+                # beta = 1): no part-sized product, no separate add_ pass.
+                a = Ref(dest[r], 0)
+                mm = b.nodes[pr.node]
+                mm.target, mm.op = "aten.addmm_.default", aten.addmm_.default
+                mm.args = (a,) + tuple(mm.args)
+                mm.outputs = [_info(t.shape, t, alias=a)]
+                w = pr.node
             else:
                 a = Ref(dest[r], 0)
                 if how in ("sum", "mean"):
@@ -298,8 +324,8 @@ def _expand_region(b: _Builder, dg: DGraph, f: FTrans, rid: int, plan, joined) -
         if prev_part:
             for v in part_nodes:
                 node = b.nodes[v]
-                inner = [r.node for r in iter_refs((node.args, node.kwargs))
-                         if not isinstance(r, _Ext) and r.node in part_nodes]
+                inner = any(not isinstance(r, _Ext) and r.node >= first_of_part
+                            for r in iter_refs((node.args, node.kwargs)))
                 if not inner:
                     node.deps = tuple(node.deps) + (prev_part[-1],)
         prev_part = part_nodes

@@ -30,6 +30,7 @@ from magis_nb.simulate.memory import MemGraph
 LIGHT = 8        # max ancestors or descendants of a light op
 FLOAT = 256      # min nw of a floating op (or |V|/8 if larger)
 MERGE = 24       # merge consecutive blocks up to this many ops
+WIDE = 64        # a light op unrelated to at most this many ops (or |V|/16) stays core
 
 
 def _topo(g: MemGraph, nodes: list[int], inset: set[int] | None,
@@ -120,7 +121,7 @@ def _split_component(g, comp, key, light, cut):
     nd = [d.bit_count() for d in des]
     core = 0
     if light >= 0:
-        wide = max(light, n // 16)
+        wide = max(light, min(n // 16, WIDE))
         for i in range(n):
             side = na[i] <= light or nd[i] <= light or _alloc(g, topo[i]) == 0
             if not side or n - na[i] - nd[i] - 1 <= wide:
@@ -165,18 +166,32 @@ def _split_component(g, comp, key, light, cut):
                 and not _runs_early(g, topo[i], des[i], pos)):
             blk[i] = r
     last = max(blk) if n else 0
-    lo, hi = [0] * n, [last] * n
+    # Where each light op will go. One that pays for running early goes as soon
+    # as the inputs that drive it are ready (``lo``: core inputs and early light
+    # ones). An allocation goes to the block its first successor is expected
+    # in, and so does an early op whose only inputs are such allocations (a
+    # view of a weight's cast runs where the view is read). A light successor
+    # counts by where it is expected, not by the latest block it could take: a
+    # fission region's gradient sum (an allocation) feeds one ``add_`` per
+    # part, and placing it by their latest block dragged every part's ``add_``
+    # into the last block.
+    early = [blk[i] < 0 and _runs_early(g, v, des[i], pos) for i, v in enumerate(topo)]
+    lo, hi = [-1] * n, [last] * n
     for i, v in enumerate(topo):
         if blk[i] < 0:
-            lo[i] = max([lo[pos[p]] if blk[pos[p]] < 0 else blk[pos[p]]
-                         for p in g.preds[v] if p in inset] + [0])
+            lo[i] = max([blk[pos[p]] if blk[pos[p]] >= 0 else lo[pos[p]]
+                         for p in g.preds[v] if p in inset
+                         and (blk[pos[p]] >= 0 or early[pos[p]])] + [-1])
     for i in range(n - 1, -1, -1):
         if blk[i] < 0:
-            hi[i] = min([hi[pos[s]] if blk[pos[s]] < 0 else blk[pos[s]]
-                         for s in g.succs[topo[i]] if s in inset] + [last])
+            if early[i] and lo[i] >= 0:
+                hi[i] = lo[i]
+            else:
+                hi[i] = min([hi[pos[s]] if blk[pos[s]] < 0 else blk[pos[s]]
+                             for s in g.succs[topo[i]] if s in inset] + [last])
     for i, v in enumerate(topo):
         if blk[i] < 0:
-            b = lo[i] if _runs_early(g, v, des[i], pos) else hi[i]
+            b = max(hi[i], 0)
             for p in g.preds[v]:
                 if p in inset:
                     b = max(b, blk[pos[p]])

@@ -156,7 +156,8 @@ def _sdpa_flops(q, k, v) -> int:
 
 
 _MM = {"aten.mm.default": (0, 1), "aten.bmm.default": (0, 1), "aten.matmul.default": (0, 1),
-       "aten.addmm.default": (1, 2), "aten.baddbmm.default": (1, 2), "aten.mv.default": (0, 1),
+       "aten.addmm.default": (1, 2), "aten.addmm_.default": (1, 2),
+       "aten.baddbmm.default": (1, 2), "aten.mv.default": (0, 1),
        "aten.addmv.default": (1, 2), "aten.dot.default": (0, 1)}
 _SDPA_FWD = {"aten._scaled_dot_product_flash_attention.default",
              "aten._scaled_dot_product_efficient_attention.default",
