@@ -127,7 +127,7 @@ def _split_component(g, comp, key, light, cut):
             if not side or n - na[i] - nd[i] - 1 <= wide:
                 core |= 1 << i
         # Floating ops, measured among the non-light ops only.
-        nc, far = core.bit_count(), max(FLOAT, core.bit_count() // 8)
+        nc, far = core.bit_count(), max(WIDE, min(core.bit_count() // 8, FLOAT))
         drop = 0
         for i in range(n):
             if core >> i & 1 and (nc - (anc[i] & core).bit_count()

@@ -12,6 +12,7 @@ Note [views keep their base alive] in magis_nb/ir/graph.py.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -122,8 +123,13 @@ def simulate_memory(g: MemGraph, order: Sequence[int]) -> MemoryTimeline:
         by_cat[c] = run
     peak = max(live) if live else 0
     peak_steps = [i for i, m in enumerate(live) if m == peak]
-    hot = sorted({k for k, (a, b) in enumerate(intervals)
-                  for i in peak_steps if a <= i <= b})
+    # A split program holds the peak over long runs of views (free steps):
+    # look each interval's first peak step up instead of testing them all.
+    hot = []
+    for k, (a, b) in enumerate(intervals):
+        j = bisect.bisect_left(peak_steps, a)
+        if j < len(peak_steps) and peak_steps[j] <= b:
+            hot.append(k)
     return MemoryTimeline(order, live, peak, peak_steps, hot, by_cat, intervals)
 
 
