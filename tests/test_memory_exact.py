@@ -87,3 +87,17 @@ def test_outputs_stay_live():
     sim, meas, _ = _sim_and_measure(KeptOutputs(), torch.randn(N))
     assert sim.live == [2 * MiB, 3 * MiB, 4 * MiB]
     assert meas.peak == 4 * MiB
+
+
+def test_op_floor_is_resident_plus_the_largest_working_set():
+    """Weight 1 MiB; op 1 reads a (2 MiB) and writes b (3 MiB): 1 + 5 = 6 MiB,
+    whatever the order; every order's peak is at least that."""
+    from magis_nb.simulate.memory import op_floor
+    g = MemGraph(3, [[], [0], [1]], [
+        Storage(MiB, -1, (0, 2), category="weight"),
+        Storage(2 * MiB, 0, (1,)),
+        Storage(3 * MiB, 1, (2,)),
+        Storage(MiB, 2, (), keep=True),
+    ])
+    assert op_floor(g) == 6 * MiB
+    assert simulate_memory(g, [0, 1, 2]).peak >= op_floor(g)

@@ -204,3 +204,47 @@ def test_a_batch_never_holds_a_remat_that_undoes_another(one_thread):
     assert _compatible(g, [conv, relu, other]) == [conv, other]
     assert _compatible(g, [relu, conv, nxt, other]) == [relu, other]
     assert _compatible(g, [conv, nxt, other]) == [conv, nxt, other]
+
+
+def _fission_st(plan, peak, lat):
+    return State(tuple(plan), (), None, [], [], peak, lat, [], 0)
+
+
+def test_line_search_along_n_predicts_the_budget_from_two_points():
+    """`_jump`: latency grows linearly in n, the peak as a + b/n; the divisor
+    picked is the last one the prediction fits (latency budget) or the first
+    (memory budget), and never `mutate`'s own next n from an F-Tree child."""
+    from types import SimpleNamespace
+    from magis_nb.search.algorithm import _jump
+    space = SimpleNamespace(cands=[SimpleNamespace(max_n=32)])
+    root, n2 = _fission_st((), 100, 1.00), _fission_st(((0, 2),), 60, 1.01)
+    # latency: 1.01 + 0.01 (d - 2) <= 1.10 for d <= 11: the divisors 4 and 8 fit
+    assert _jump(space, root, n2, Objective("lat", 1.10)) == ((0, 8),)
+    # only 4 fits: that is mutate's step, not a jump ...
+    assert _jump(space, root, n2, Objective("lat", 1.03)) is None
+    # ... unless the line search already runs
+    assert _jump(space, root, n2, Objective("lat", 1.03), skip_next=False) == ((0, 4),)
+    # memory: b = 40 / (1 - 1/2) = 80, a = 20; a + b/d <= 30 from d = 8 on
+    assert _jump(space, root, n2, Objective("mem", 30)) == ((0, 8),)
+    # no gain, over the latency budget, or the budget met: no jump
+    assert _jump(space, root, _fission_st(((0, 2),), 100, 1.01), Objective("lat", 1.10)) is None
+    assert _jump(space, root, _fission_st(((0, 2),), 60, 1.2), Objective("lat", 1.10)) is None
+    assert _jump(space, root, n2, Objective("mem", 70)) is None
+    # two split points: the slope between them (0.005 a part), not from the
+    # unsplit plan (0.01): 1.04 + 0.005 (d - 8) <= 1.10 for d <= 20
+    n8 = _fission_st(((0, 8),), 30, 1.04)
+    assert _jump(space, n2, n8, Objective("lat", 1.10), skip_next=False) == ((0, 16),)
+
+
+def test_enable_top_takes_the_best_scoring_candidate_that_fits():
+    from types import SimpleNamespace
+    from magis_nb.search.algorithm import _enable_top
+    C = lambda i, ops, score, max_n: SimpleNamespace(id=i, ops=frozenset(ops), score=score,  # noqa: E731
+                                                     max_n=max_n)
+    space = SimpleNamespace(cands=[C(0, {1, 2}, 5.0, 8), C(1, {1, 2, 3, 4}, 9.0, 6), C(2, {7}, 1.0, 4)])
+    assert _enable_top(space, _fission_st((), 1, 1.0)) == ((1, 2),)
+    # candidate 1 overlaps the enabled 0: the next best that fits is 2
+    assert _enable_top(space, _fission_st(((0, 2),), 1, 1.0)) == ((0, 2), (2, 2))
+    # the least n > 1 that divides max_n
+    space.cands[1].max_n = 9
+    assert _enable_top(space, _fission_st((), 1, 1.0)) == ((1, 3),)

@@ -12,7 +12,9 @@ eager's (optimized and eager steps alternate, 2 warm-ups, then the median of
 its swap copies' time in the step against their price in the search
 (`swap_copies`). (b) paper-size models planned for a simulated RTX 3090 at
 lat_budget 1.10 and 1.05 and mem_budget 0.8 and 0.4: simulated memory ratio and
-latency overhead (nothing runs: the models live on the meta device).
+latency overhead (nothing runs: the models live on the meta device), and the
+op floor: resident bytes plus the largest working set of one op, below which
+no plan that keeps every op whole (no fission) can go.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from .. import zoo
 from ..capture import eager_step
 from ..rules.swap import swap_ops
 from ..search import optimize
+from ..simulate.memory import op_floor
 from ..verify import Reference
 from .common import fixed_threads, parser, table, write_json
 from .timing import clear_grads, time_steps
@@ -112,8 +115,11 @@ def paper_row(name: str, kind: str, budget: float, time_budget: float, profile: 
     t0 = time.perf_counter()
     res = optimize(case.model, case.inputs, loss_fn=case.loss_fn, time_budget=time_budget,
                    device_profile=profile, **kw)
+    mg, _, _ = res.before.state.graph.memgraph()
     return {"model": name, "size": "paper", "profile": profile, "budget_kind": kind,
             "budget": budget, "met": res.met, "mem_ratio": round(res.mem_ratio, 4),
+            # no plan that keeps every op whole (no fission) goes below this
+            "op_floor": round(op_floor(mg) / res.before.peak, 4),
             "lat_ratio": round(res.lat_ratio, 4), "measured": False, "allclose": None,
             "peak_before_MiB": round(res.before.peak / 2**20), "peak_after_MiB": round(res.plan.peak / 2**20),
             "applied": res.plan.applied, "states": res.states,
@@ -156,7 +162,7 @@ def main(argv) -> int:
             for kind, b in only or PAPER_BUDGETS:
                 r = paper_row(name, kind, b, a.time_budget, a.profile)
                 rows.append(r)
-                print(table([r], cols + [("peak_before_MiB", "before MiB"),
+                print(table([r], cols + [("op_floor", "op floor"), ("peak_before_MiB", "before MiB"),
                                          ("peak_after_MiB", "after MiB"), ("applied", "applied"),
                                          ("states", "states"), ("seconds", "s")]), flush=True)
     write_json(a.json, rows)

@@ -14,6 +14,11 @@ the peak. Swap and remat act on the cheapest of them per byte saved (see
 `_ranked`), one at a time and in batches of 2 to 128, biggest first (a training
 peak holds hundreds of saved activations: one tensor per step would need hundreds
 of steps), with their users being the readers after the peak. F-Tree rules: enable the best-scoring candidates, mutate n, lift, disable.
+Before the queue runs, the best-scoring candidate of the whole F-Tree is
+enabled on the root (`_enable_top`), and every F-Tree child that lowers the
+peak starts a line search along its n (`_jump`): on a paper-size transformer
+the batch split of the whole step is the plan to find, and a state per lift
+and per divisor would not get there within a minute.
 Inverse rules: drop one of the latest batches (de-swap, de-remat).
 TASO subset (`_algebra`): merges of matmuls sharing an input and scale sinks
 whose own ops cost less by the cost model, all together and the best one alone;

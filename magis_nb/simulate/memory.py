@@ -135,3 +135,16 @@ def simulate_memory(g: MemGraph, order: Sequence[int]) -> MemoryTimeline:
 
 def peak_memory(g: MemGraph, order: Sequence[int]) -> int:
     return simulate_memory(g, order).peak
+
+
+def op_floor(g: MemGraph) -> int:
+    """A lower bound on the peak of every plan that runs each op whole (no
+    fission): the resident bytes plus the largest set of storages one op reads
+    and writes. Re-ordering, recomputing and swapping cannot go below it: an
+    op's inputs and outputs are on the device while it runs."""
+    resident = g.resident_bytes
+    most = 0
+    for v in range(g.n):
+        ids = set(g.inputs_of[v]) | set(g.outputs_of[v])
+        most = max(most, sum(g.storages[i].size for i in ids if g.storages[i].producer >= 0))
+    return resident + most
