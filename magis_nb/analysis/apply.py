@@ -161,7 +161,7 @@ def _fused_matmuls(g: Graph, f: FTrans, plan) -> set[Ref]:
     reads: each part's product can be added into the sum by the GEMM itself
     (``addmm_``). Weight gradients of a batch-split region are these; with a
     separate ``add_`` they cost a full read-modify-write of every weight per
-    part (GPT-Neo at n=16: 5,088 adds, 8% of the simulated step)."""
+    part (GPT-Neo at n=16: 5,088 adds, 7% of the simulated step)."""
     read = {r for v in f.ops for r in iter_refs((g.nodes[v].args, g.nodes[v].kwargs))}
     out = set()
     for r, (how, _) in plan.items():

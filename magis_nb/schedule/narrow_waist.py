@@ -11,15 +11,18 @@ stretch of the spine and would remove every narrow waist there. The partition
 therefore measures nw on the *core* and places the light ops (a weight gradient,
 a detach, a causal-mask chain, a weight cast) afterwards. An op is light if it has
 at most ``light`` ancestors or descendants or allocates nothing, and is unrelated
-to more than max(``light``, |V|/16) ops (the first and last ops of a graph, a
-first cell's branches, stay in the core).
+to more than max(``light``, min(|V|/16, WIDE)) ops (the first and last ops of a
+graph, a first cell's branches, stay in the core).
 A light op goes to the block of its last predecessor if running early may free
 memory, else to the block of its first successor. *Floating* ops are treated the same way: ops
-unrelated to a large part of the graph (nw > max(FLOAT, |V|/8)), such as a
+unrelated to a large part of the graph (nw > max(WIDE, min(|V|/8, FLOAT))), such as a
 backward chain that reads only saved activations (BTLM's SiLU backward: sigmoid,
 sub, mul of a saved tensor) or a recompute copy. They may run anywhere in a long
 range, so every spine op of that range is unrelated to them; left in the core
-they would remove every waist there.
+they would remove every waist there. Both thresholds are capped: a batch-split
+training step (fission) repeats one part n times, and thresholds that grew with
+|V| kept each part's weight views, dropout draws and SiLU backward chains in
+the core, which made every part a single block of thousands of ops.
 """
 from __future__ import annotations
 
@@ -28,9 +31,9 @@ from typing import Iterable, Sequence
 from magis_nb.simulate.memory import MemGraph
 
 LIGHT = 8        # max ancestors or descendants of a light op
-FLOAT = 256      # min nw of a floating op (or |V|/8 if larger)
+FLOAT = 256      # min nw of a floating op (|V|/8 if smaller, but at least WIDE)
 MERGE = 24       # merge consecutive blocks up to this many ops
-WIDE = 64        # a light op unrelated to at most this many ops (or |V|/16) stays core
+WIDE = 64        # a light op unrelated to at most this many ops (|V|/16 if smaller) stays core
 
 
 def _topo(g: MemGraph, nodes: list[int], inset: set[int] | None,

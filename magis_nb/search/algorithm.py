@@ -564,4 +564,3 @@ def search(space: Space, root: State, objective: Objective, *, time_budget: floa
     log.seconds = time.perf_counter() - t0
     tick(done=True)
     return log
-
