@@ -225,3 +225,16 @@ def test_fit_measured_says_when_no_plan_measures_within_the_budget(gpt_mem):
     with pytest.raises(ValueError, match="positive"):
         res.fit_measured(_fake_measure(res, 1.0), 0)
     res.select(mem_budget=0.5)
+
+
+def test_fission_false_leaves_every_region_whole():
+    """`fission=False`: no F-Tree candidate, so no plan of the front splits a
+    region (the search still recomputes and swaps); with fission the same
+    search splits the whole step first."""
+    case = zoo.build("gpt", "tiny")
+    kw = dict(loss_fn=case.loss_fn, device_profile=PROFILE, time_budget=60, max_states=12)
+    res = magis_nb.optimize(case.model, case.inputs, mem_budget=0.5, fission=False, **kw)
+    assert all(not p.fission for p in res.pareto)
+    assert any(p.swaps or p.remat for p in res.pareto)
+    split = magis_nb.optimize(case.model, case.inputs, mem_budget=0.5, **kw)
+    assert any(p.fission for p in split.pareto)

@@ -139,7 +139,8 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
              mem_budget: float | int | None = None, lat_budget: float | None = None,
              time_budget: float = 60.0, device_profile=None, seed: int = 0,
              progress: Callable[[Progress], object] | None = None,
-             max_states: int | None = None, algebra: bool = True) -> OptimizeResult:
+             max_states: int | None = None, algebra: bool = True,
+             fission: bool = True) -> OptimizeResult:
     """Capture ``model``'s step on ``inputs`` and search for a plan within a budget.
 
     ``mem_budget``: a ratio of the unoptimized peak (<= 16) or bytes: the fastest
@@ -153,7 +154,9 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
     search and returns the best plan so far (``interrupted=True``).
     ``algebra=False`` leaves out the TASO subset (merged matmuls, moved scales):
     the plan then runs the model's own ops, only re-ordered, split, recomputed
-    or swapped.
+    or swapped. ``fission=False`` leaves out the F-Tree (no region is split):
+    for a program that `torch.compile` will compile, which does not keep a
+    split program's memory (see `bench.peers_compile`).
 
     An infeasible budget is not an error: the result holds the best plan reached,
     ``met=False`` and a message saying so.
@@ -167,7 +170,7 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
     cost, async_copies, label = _cost_model(device_profile, inputs)   # bad names fail fast
     program = trace(model, inputs, loss_fn=loss_fn, mode=mode)
     t_capture = time.perf_counter()
-    space = Space(program, cost, async_copies=async_copies, algebra=algebra)
+    space = Space(program, cost, async_copies=async_copies, algebra=algebra, fission=fission)
     # The program as PyTorch runs it: its order, nothing applied.
     g = program.graph
     base_order = program.to_node_order(program.program_order())

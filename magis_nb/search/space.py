@@ -141,7 +141,7 @@ class Space:
     """Builds and evaluates states of one captured program."""
 
     def __init__(self, program: Program, cost, *, async_copies: bool, levels: int = 4,
-                 algebra: bool = True):
+                 algebra: bool = True, fission: bool = True):
         self.program = program
         self.algebra = algebra      # kill switch for the merge/sink rules (proposals)
         self._algebra: dict[tuple, list] = {}
@@ -150,7 +150,8 @@ class Space:
         self.blocks = BlockCache()  # a child's blocks are mostly its parent's
         self.async_copies = async_copies
         self.dg = DGraph(self.base)
-        self.cands = build_ftree(self.dg, program.hotspots(), levels=levels)
+        # fission=False: no F-Tree candidates, so no rule ever splits a region
+        self.cands = build_ftree(self.dg, program.hotspots(), levels=levels) if fission else []
         self._fission: dict[tuple, Graph] = {}
         self.evaluated = 0
 
