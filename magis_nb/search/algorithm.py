@@ -515,8 +515,9 @@ def search(space: Space, root: State, objective: Objective, *, time_budget: floa
             if nxt is None:
                 return
             if objective.kind == "lat" and nxt.latency > objective.limit:
-                cid, n = next((c, n) for c, n in jump if dict(cur.plan).get(c) != n)
-                back = [d for d in divisors(space.cands[cid].max_n) if dict(cur.plan)[cid] < d < n]
+                now = dict(cur.plan)
+                cid, n = next((c, n) for c, n in jump if now.get(c) != n)
+                back = [d for d in divisors(space.cands[cid].max_n) if now[cid] < d < n]
                 if back and not out_of_time():
                     visit(st, "jump", tuple(sorted({**dict(jump), cid: back[-1]}.items())),
                           st.batches, set())
