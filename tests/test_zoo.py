@@ -24,6 +24,10 @@ PAPER_PARAMS = {
     "btlm": 2_600_000_000,  # cerebras/btlm-3b-8k-base "2.6B"
     "unet": 31_037_698,  # milesial Pytorch-UNet, 2 classes
     "unetpp": 9_040_000,  # Zhou et al. 2018, "9.04M" with 32 base filters
+    # no published count: the two above less their BatchNorms' affine parameters
+    # (2 per channel) plus a bias per conv channel (1 per channel)
+    "unet-nobn": 31_031_810,
+    "unetpp-nobn": 9_042_210,
 }
 
 
@@ -39,8 +43,9 @@ def state(case: zoo.ZooCase) -> list[torch.Tensor]:
 
 
 def test_names():
-    assert TINY == ["mlp", "resnet", "bert", "vit", "gpt", "btlm", "unet", "unetpp", "densenet", "randwire"]
-    assert PAPER == ["resnet", "bert", "vit", "gpt", "btlm", "unet", "unetpp"]
+    assert TINY == ["mlp", "resnet", "bert", "vit", "gpt", "btlm", "unet", "unetpp",
+                    "unet-nobn", "unetpp-nobn", "densenet", "randwire"]
+    assert PAPER == ["resnet", "bert", "vit", "gpt", "btlm", "unet", "unetpp", "unet-nobn", "unetpp-nobn"]
     with pytest.raises(KeyError):
         zoo.build("nope")
     with pytest.raises(ValueError):

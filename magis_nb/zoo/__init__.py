@@ -43,6 +43,9 @@ _REGISTRY: dict[str, tuple[str, tuple[str, ...]]] = {
     "btlm": ("gpt", ("tiny", "paper")),  # same code path as gpt, other options
     "unet": ("unet", ("tiny", "paper", "bench", "gpu")),
     "unetpp": ("unetpp", ("tiny", "paper")),
+    # the same without BatchNorm, as the MAGIS authors' benchmark defines them
+    "unet-nobn": ("unet", ("tiny", "paper")),
+    "unetpp-nobn": ("unetpp", ("tiny", "paper")),
     "densenet": ("densenet", ("tiny",)),
     "randwire": ("randwire", ("tiny",)),
 }

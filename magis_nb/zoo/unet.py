@@ -3,6 +3,13 @@
 Four max-pool downsamplings of conv-BN-ReLU double convs, transposed-conv
 upsampling, skip connections by channel concat, and a per-pixel cross-entropy
 loss. The long-lived skip tensors are what makes U-Net memory-hungry.
+
+"unet-nobn" is the same network without its BatchNorms (convs with biases, then
+ReLU): the U-Net of the MAGIS authors' benchmark graphs (pku-liang/MAGIS,
+python/magis/testing/nn/unet.py, conv + ReLU blocks, no normalization), the
+workload behind the paper's Fig. 9 bar. It matters for fission: training-mode
+batch norm takes its statistics over the whole batch, so with BatchNorm no
+region may split the batch, and without it the whole step can be split.
 """
 from __future__ import annotations
 
@@ -18,23 +25,28 @@ BENCH = dict(batch=12, image=128, base=16, depth=4, classes=2)  # `bench peers`:
 GPU = dict(batch=16, image=256, base=32, depth=4, classes=2)   # `bench gpu`: a few GB
 
 
-def double_conv(cin: int, cout: int) -> nn.Sequential:
-    return nn.Sequential(
-        nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True),
-        nn.Conv2d(cout, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True),
-    )
+def double_conv(cin: int, cout: int, norm: bool = True) -> nn.Sequential:
+    """conv-BN-ReLU twice; ``norm=False``: conv (with a bias)-ReLU twice."""
+    layers = []
+    for a in (cin, cout):
+        if norm:
+            layers += [nn.Conv2d(a, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout)]
+        else:
+            layers.append(nn.Conv2d(a, cout, 3, padding=1))
+        layers.append(nn.ReLU(inplace=True))
+    return nn.Sequential(*layers)
 
 
 class UNet(nn.Module):
-    def __init__(self, base: int, depth: int, classes: int, in_ch: int = 3):
+    def __init__(self, base: int, depth: int, classes: int, in_ch: int = 3, norm: bool = True):
         super().__init__()
         ch = [base * 2**i for i in range(depth + 1)]
-        self.inc = double_conv(in_ch, ch[0])
+        self.inc = double_conv(in_ch, ch[0], norm)
         self.down = nn.ModuleList(
-            nn.Sequential(nn.MaxPool2d(2), double_conv(ch[i], ch[i + 1])) for i in range(depth)
+            nn.Sequential(nn.MaxPool2d(2), double_conv(ch[i], ch[i + 1], norm)) for i in range(depth)
         )
         self.up = nn.ModuleList(nn.ConvTranspose2d(ch[i + 1], ch[i], 2, stride=2) for i in reversed(range(depth)))
-        self.dec = nn.ModuleList(double_conv(2 * ch[i], ch[i]) for i in reversed(range(depth)))
+        self.dec = nn.ModuleList(double_conv(2 * ch[i], ch[i], norm) for i in reversed(range(depth)))
         self.outc = nn.Conv2d(ch[0], classes, 1)
 
     def forward(self, x):
@@ -49,8 +61,10 @@ class UNet(nn.Module):
 
 def case(name: str, size: str, seed: int) -> ZooCase:
     c = {"paper": PAPER, "bench": BENCH, "gpu": GPU}.get(size, TINY)
-    model = UNet(c["base"], c["depth"], c["classes"])
+    norm = not name.endswith("-nobn")
+    model = UNet(c["base"], c["depth"], c["classes"], norm=norm)
     x = torch.randn(c["batch"], 3, c["image"], c["image"])
     y = torch.randint(0, c["classes"], (c["batch"], c["image"], c["image"]))
-    desc = f"U-Net (base {c['base']}, depth {c['depth']}), batch {c['batch']}, {c['image']}px"
+    desc = (f"U-Net{'' if norm else ' without BatchNorm'} (base {c['base']}, depth {c['depth']}), "
+            f"batch {c['batch']}, {c['image']}px")
     return ZooCase(name, size, model, (x, y), cross_entropy, torch.float32, desc)
