@@ -234,6 +234,14 @@ def test_line_search_along_n_predicts_the_budget_from_two_points():
     # unsplit plan (0.01): 1.04 + 0.005 (d - 8) <= 1.10 for d <= 20
     n8 = _fission_st(((0, 8),), 30, 1.04)
     assert _jump(space, n2, n8, Objective("lat", 1.10), skip_next=False) == ((0, 16),)
+    # the latency fell with n (parts timed alone from cache): no slope to
+    # extrapolate, so the largest divisor within TRUST (4) times n, not max_n
+    fast2 = _fission_st(((0, 2),), 60, 0.90)
+    assert _jump(space, root, fast2, Objective("lat", 1.10)) == ((0, 8),)
+    assert _jump(space, fast2, _fission_st(((0, 4),), 40, 0.90), Objective("lat", 1.10)) == ((0, 16),)
+    # max_n 14: past 2 come 7 (mutate's next) and 14 (over 4 x 2): no jump
+    assert _jump(SimpleNamespace(cands=[SimpleNamespace(max_n=14)]), root, fast2,
+                 Objective("lat", 1.10)) is None
 
 
 def test_enable_top_takes_the_best_scoring_candidate_that_fits():
