@@ -149,8 +149,9 @@ class Space:
         self.costs = _CostTable(cost, sync_copies=not async_copies)
         self.blocks = BlockCache()  # a child's blocks are mostly its parent's
         self.async_copies = async_copies
-        self.dg = DGraph(self.base)
-        # fission=False: no F-Tree candidates, so no rule ever splits a region
+        # fission=False: no D-Graph (about 2 s on paper BTLM) and no F-Tree
+        # candidates, so no plan ever names a region and nothing reads self.dg
+        self.dg = DGraph(self.base) if fission else None
         self.cands = build_ftree(self.dg, program.hotspots(), levels=levels) if fission else []
         self._fission: dict[tuple, Graph] = {}
         self.evaluated = 0
