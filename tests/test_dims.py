@@ -189,7 +189,7 @@ CASES = [(name, "train") for name in zoo.names("tiny")] + \
 # The default run covers every op kind of the zoo's tiny graphs (68 targets); the
 # others (marked slow) add only more instances of the same ops, at 3-8 s each.
 FAST = {("vit", "train"), ("gpt", "train"), ("btlm", "train"), ("densenet", "train"),
-        ("unet", "train"), ("resnet", "infer"), ("bert", "infer")}
+        ("unet", "train"), ("resnet", "infer"), ("bert", "infer"), ("unetpp-magis", "train")}
 
 
 @pytest.mark.parametrize("name,mode", [
@@ -486,3 +486,40 @@ def test_losses_pooling_norms_attention():
     node, ts = make(aten._scaled_dot_product_flash_attention_for_cpu.default, q, k, v,
                     is_causal=True)
     assert [a.name for a in dims_of(node, ts).axes] == ["batch", "heads"]
+
+
+def test_advanced_indexing_splits_the_dims_no_index_touches():
+    """x[:, :, ih, iw] (F.interpolate's decomposition), x[idx] with trailing free
+    dims, non-adjacent indices (the broadcast dims go first), and the scatter back."""
+    x = r(4, 6, 3, 5)
+    ih = torch.tensor([0, 0, 1, 1, 2, 2]).unsqueeze(-1)        # [6, 1]
+    iw = torch.tensor([0, 1, 1, 2, 3, 4, 4, 2, 0, 1])           # [10]
+    ij = torch.tensor([2, 0, 1])
+    cases = [  # (op, args, the free (self dim, result dim) pairs)
+        (aten._unsafe_index.Tensor, (x, [None, None, ih, iw]), [(0, 0), (1, 1)]),
+        (aten.index.Tensor, (x, [ij]), [(1, 1), (2, 2), (3, 3)]),
+        (aten.index.Tensor, (x, [None, ij, ij]), [(0, 0), (3, 2)]),
+        (aten.index.Tensor, (x, [ij, None, ij]), [(1, 1), (3, 2)]),   # not adjacent: B first
+    ]
+    for op, args, free in cases:
+        node, ts = make(op, *args)
+        od = dims_of(node, ts)
+        assert [(i[0][1], o[0][1]) for i, o in ((a.inputs, a.outputs) for a in od.axes)] == free, args
+        assert check_node(node, ts) > 0, op
+    up = r(4, 6, 6, 10)
+    for acc in (True, False):
+        node, ts = make(aten._unsafe_index_put.default, torch.zeros(4, 6, 3, 5, dtype=torch.float64),
+                        [None, None, ih, iw], up, acc)
+        assert [a.inputs for a in dims_of(node, ts).axes] == [((0, 0), (3, 0)), ((0, 1), (3, 1))]
+        check_node(node, ts)
+    # the zeros it scatters into: made from the gradient's dtype (any part of it will do)
+    node, ts = make(aten.new_zeros.default, up, [4, 6, 3, 5])
+    assert [a.inputs for a in dims_of(node, ts).axes] == [((0, 0),), ((0, 1),), (), ()]
+    check_node(node, ts)
+    # values broadcast along a free dim: passed whole to every part
+    node, ts = make(aten.index_put.default, x, [None, ij], r(3, 1, 5), True)
+    assert [a.inputs for a in dims_of(node, ts).axes] == [((0, 0),), ((0, 2),), ((0, 3), (2, 2))]
+    check_node(node, ts)
+    # a boolean mask's result is not B's shape: no rule, never a wrong one
+    node, ts = make(aten.index.Tensor, x, [None, torch.tensor([1, 0, 1, 1, 0, 1]).bool()])
+    assert dims_of(node, ts) is None

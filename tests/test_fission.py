@@ -188,7 +188,7 @@ def test_mutate_walks_the_divisors():
     assert seen == [3, 4, 6, 12]
 
 
-@pytest.mark.parametrize("name", ["mlp", "vit", "unet-nobn"])
+@pytest.mark.parametrize("name", ["mlp", "vit", "unet-nobn", "unetpp-magis"])
 def test_zoo_best_candidate_saves_memory_and_is_allclose(name):
     from magis_nb import zoo
     case = zoo.build(name, "tiny")

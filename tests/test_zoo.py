@@ -28,6 +28,7 @@ PAPER_PARAMS = {
     # (2 per channel) plus a bias per conv channel (1 per channel)
     "unet-nobn": 31_031_810,
     "unetpp-nobn": 9_042_210,
+    "unetpp-magis": 19_912_066,
 }
 
 
@@ -44,8 +45,9 @@ def state(case: zoo.ZooCase) -> list[torch.Tensor]:
 
 def test_names():
     assert TINY == ["mlp", "resnet", "bert", "vit", "gpt", "btlm", "unet", "unetpp",
-                    "unet-nobn", "unetpp-nobn", "densenet", "randwire"]
-    assert PAPER == ["resnet", "bert", "vit", "gpt", "btlm", "unet", "unetpp", "unet-nobn", "unetpp-nobn"]
+                    "unet-nobn", "unetpp-nobn", "unetpp-magis", "densenet", "randwire"]
+    assert PAPER == ["resnet", "bert", "vit", "gpt", "btlm", "unet", "unetpp", "unet-nobn", "unetpp-nobn",
+                     "unetpp-magis"]
     with pytest.raises(KeyError):
         zoo.build("nope")
     with pytest.raises(ValueError):

@@ -37,7 +37,7 @@ RNG ops (dropout) and ops with no tensor output are barriers: ``op_dims`` is Non
 from __future__ import annotations
 
 from ..ir.graph import Node
-from . import dims_nn, dims_ops, dims_shape  # noqa: F401  (register the rules)
+from . import dims_index, dims_nn, dims_ops, dims_shape  # noqa: F401  (register the rules)
 from .dims_base import RULES, Axis, Bound, OpDims
 
 __all__ = ["Axis", "OpDims", "op_dims", "covered_targets"]

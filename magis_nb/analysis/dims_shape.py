@@ -293,6 +293,13 @@ def _no_axes(node, b, ins, outs):
 @rule("aten.zeros", "aten.ones", "aten.full", "aten.empty.memory_format",
       "aten.new_zeros", "aten.new_ones", "aten.new_full", "aten.new_empty")
 def _factory(node, b, ins, outs):
-    """Every output dim is an axis of its own (no tensor input is indexed)."""
-    return OpDims(axes_of(*(ax(s, [], [(0, d)]) for d, s in enumerate(outs[0]))),
+    """Every output dim is an axis. ``new_*(self, size)`` reads only self's dtype and
+    device, so any part of self will do: where self has the output's rank and the
+    same size in a dim (``new_zeros(grad, size)`` in the backward of an indexing
+    op), self is listed as indexed there too. Otherwise a region producing self
+    could not contain the factory (it would seem to need all of self)."""
+    s = b.t("self")
+    same = s is not None and len(ins[s]) == len(outs[0])
+    return OpDims(axes_of(*(ax(n, [(s, d)] if same and ins[s][d] == n else [], [(0, d)])
+                            for d, n in enumerate(outs[0]))),
                   _size_rewrite("size"))

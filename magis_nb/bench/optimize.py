@@ -31,7 +31,8 @@ from .common import fixed_threads, parser, table, write_json
 from .timing import clear_grads, time_steps
 
 CPU_MODELS = ("unet", "unetpp", "gpt", "vit", "bert")
-PAPER_MODELS = ("resnet", "bert", "vit", "unet", "unetpp", "gpt", "btlm", "unet-nobn", "unetpp-nobn")
+PAPER_MODELS = ("resnet", "bert", "vit", "unet", "unetpp", "gpt", "btlm", "unet-nobn", "unetpp-nobn",
+                "unetpp-magis")
 CPU_BUDGETS = (("lat", 1.10), ("mem", 0.4))
 PAPER_BUDGETS = (("lat", 1.10), ("lat", 1.05), ("mem", 0.8), ("mem", 0.4))
 

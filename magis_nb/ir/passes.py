@@ -21,6 +21,17 @@ in a training step). We rewrite ``nll_loss_forward(x, t, None, mean)`` as
 ``nll_loss_forward(x, t, None, sum) / count(t != ignore_index)`` -- the count
 depends on the targets only -- and ``ones_like``/``zeros_like`` as ``full`` of the
 same shape, which depends on nothing. Results equal eager's to fp32 rounding.
+
+Note [metadata asserts]
+Decompositions that cast (``F.interpolate``'s index arithmetic, ``x.to(dtype)``)
+leave ``_assert_tensor_metadata(t, dtype=..., device=..., layout=...)`` in the
+graph: an op with no output that checks what the capture already recorded in
+every TensorInfo. It would do harm twice: its device is the capture's (``meta``
+for a paper-size plan), and, being an op without outputs, it has no dimension
+rule, so every tensor it reads leaves any fission region whole (U-Net++ with
+interpolation: each upsampled tensor assembled in full, a split in 16 kept at
+0.48 of the peak instead of ...). The pass drops the asserts that check no size
+or stride (those would say something the dtype does not).
 """
 from __future__ import annotations
 
@@ -153,6 +164,21 @@ def _mean_loss_rule(rw: Rewriter, n: Node) -> bool:
 
 def split_mean_loss(g: Graph) -> Graph:
     return Rewriter(g).run(_mean_loss_rule)
+
+
+def _metadata_assert(rw: Rewriter, n: Node) -> bool:
+    """True (dropped) for a dtype/device/layout assert; see Note [metadata asserts]."""
+    if n.target != "aten._assert_tensor_metadata.default" or n.deps:
+        return False
+    names = [a.name for a in n.op._schema.arguments]
+    bound = dict(zip(names, n.args)) | n.kwargs
+    return bound.get("size") is None and bound.get("stride") is None
+
+
+def drop_metadata_asserts(g: Graph) -> Graph:
+    if not any(n.target == "aten._assert_tensor_metadata.default" for n in g.nodes):
+        return g
+    return Rewriter(g).run(_metadata_assert)
 
 
 def _dense(shape, stride) -> bool:

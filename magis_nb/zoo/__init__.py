@@ -46,6 +46,8 @@ _REGISTRY: dict[str, tuple[str, tuple[str, ...]]] = {
     # the same without BatchNorm, as the MAGIS authors' benchmark defines them
     "unet-nobn": ("unet", ("tiny", "paper")),
     "unetpp-nobn": ("unetpp", ("tiny", "paper")),
+    # U-Net++ as the authors' benchmark graph builds it (one conv per node, interpolation)
+    "unetpp-magis": ("unetpp", ("tiny", "paper")),
     "densenet": ("densenet", ("tiny",)),
     "randwire": ("randwire", ("tiny",)),
 }
