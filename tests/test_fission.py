@@ -204,6 +204,40 @@ def test_zoo_best_candidate_saves_memory_and_is_allclose(name):
     assert chk.measured_peak < 0.75 * prog.simulate().peak
 
 
+class Upsampler(nn.Module):
+    def __init__(self, mode: str):
+        super().__init__()
+        self.mode = mode
+        self.a, self.b = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 2, 3, padding=1)
+
+    def forward(self, x):
+        y = nn.functional.avg_pool2d(self.a(x).relu(), 2)
+        kw = {} if self.mode == "nearest" else {"align_corners": False}
+        return self.b(nn.functional.interpolate(y, scale_factor=2, mode=self.mode, **kw))
+
+
+@pytest.mark.parametrize("mode", ["nearest", "bilinear", "bicubic"])
+def test_interpolation_splits_along_the_batch(mode):
+    """F.interpolate reaches the graph as index arithmetic (`_unsafe_index`, and
+    `_unsafe_index_put` into `new_zeros` backward): the batch split runs through it
+    and its gradient, allclose, with the simulated peak measured to the byte."""
+    from magis_nb.zoo.losses import cross_entropy
+    torch.manual_seed(0)
+    m, x, y = Upsampler(mode), torch.randn(8, 3, 32, 32), torch.randint(0, 2, (8, 32, 32))
+    prog = trace(m, (x, y), loss_fn=cross_entropy)
+    g = prog.graph
+    dg = DGraph(g)
+    best = max(build_ftree(dg, prog.hotspots()), key=lambda c: len(c.ops))
+    inside = {g.nodes[v].target for v in best.ops}
+    assert {"aten._unsafe_index.Tensor", "aten._unsafe_index_put.default",
+            "aten.new_zeros.default"} <= inside
+    assert dg.components[best.comp].name == "x0[0]"
+    split = prog.with_graph(apply_fission(dg, [best.ftrans(4)]))
+    chk = Reference(m, (x, y), cross_entropy, "train").check(split.module())
+    assert chk.comparison.allclose, chk.comparison.mismatches
+    assert chk.measured_peak == split.simulate().peak < 0.7 * prog.simulate().peak
+
+
 def test_convexity_and_region_outputs_match_a_walk_of_the_whole_graph():
     """`reentered` stops its walk at the region's last op in topological order and
     `region_outputs` looks only at the region's successors; both must say what a
