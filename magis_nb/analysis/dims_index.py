@@ -1,7 +1,7 @@
 """Dimension rules for advanced indexing: ``x[idx...]`` and its gradient.
 
 ``aten.index(self, indices)`` with a list like ``[None, None, ih, iw]`` is what
-``F.interpolate`` (nearest and bilinear) decomposes into, and
+``F.interpolate`` (nearest, bilinear, bicubic) decomposes into, and
 ``aten._unsafe_index_put(zeros, indices, grad, accumulate=True)`` is its
 backward. The dims that no index tensor touches (the None entries, and the dims
 past the end of the list) pass through unchanged: those are the axes, so a

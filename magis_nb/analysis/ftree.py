@@ -24,6 +24,11 @@ def largest_parts(L: int, cap: int = MAX_PARTS) -> int:
     return max(d for d in divisors(L) if d <= cap)
 
 
+def least_parts(L: int) -> int:
+    """The smallest split of an axis of length L: its least divisor above 1."""
+    return min(d for d in divisors(L) if d > 1)
+
+
 @dataclass
 class Candidate:
     id: int
@@ -209,14 +214,14 @@ def mutations(cands: list[Candidate], plan: dict[int, int]) -> list[tuple[str, d
             p = c.parent
             if p is not None and not any(j in on for j in _ancestors(cands, i)):
                 lifted = {k: v for k, v in plan.items() if k not in _descendants(cands, p)}
-                lifted[p] = 2 if cands[p].max_n % 2 == 0 else min(d for d in divisors(cands[p].max_n) if d > 1)
+                lifted[p] = least_parts(cands[p].max_n)
                 if not _overlaps(cands, lifted, p):
                     out.append(("lift", lifted))
         elif not c.children or any(j in on for j in c.children):
             if any(j in on for j in _ancestors(cands, i)):
                 continue
             trial = {k: v for k, v in plan.items() if k not in set(_descendants(cands, i))}
-            trial[i] = min(d for d in divisors(c.max_n) if d > 1)
+            trial[i] = least_parts(c.max_n)
             if not _overlaps(cands, trial, i):
                 out.append(("enable", trial))
     return out

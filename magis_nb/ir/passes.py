@@ -31,8 +31,8 @@ for a paper-size plan), and, being an op without outputs, it has no dimension
 rule, so every tensor it reads leaves any fission region whole (U-Net++ with
 interpolation, simulated RTX 3090: each upsampled tensor assembled in full, the
 whole step split in 16 peaks at 0.48 of the unsplit peak; without the asserts,
-at 0.10). The pass drops the asserts that check no size
-or stride (those would say something the dtype does not).
+at 0.10). The pass drops the asserts that check no size or stride (those would
+say something the dtype does not).
 """
 from __future__ import annotations
 

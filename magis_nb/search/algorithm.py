@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..analysis.ftrans import divisors
-from ..analysis.ftree import mutations
+from ..analysis.ftree import least_parts, mutations
 from ..ir.digest import graph_digest
 from ..ir.graph import iter_refs
 from ..rules.algebra import merge_all, merge_groups
@@ -280,7 +280,7 @@ def _enable_top(space: Space, st: State) -> tuple | None:
     for c in sorted(space.cands, key=lambda c: (-c.score, c.id)):
         if c.id in plan or any(c.ops & ops for ops in taken):
             continue
-        return tuple(sorted({**plan, c.id: min(d for d in divisors(c.max_n) if d > 1)}.items()))
+        return tuple(sorted({**plan, c.id: least_parts(c.max_n)}.items()))
     return None
 
 
