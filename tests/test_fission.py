@@ -1,5 +1,6 @@
 """Fission: exact memory, random graphs split at random stay allclose, barriers hold,
 and the F-Tree mutation rules."""
+import dataclasses
 import random
 
 import pytest
@@ -175,6 +176,22 @@ def test_mutate_lift_disable_enable_parent():
     assert all(dict(p).get(0, 1) == 1 for _, p in got)   # the root is two steps away
 
 
+def test_pack_swaps_a_region_for_its_twin_and_back():
+    """A packed twin (Note [packed masks]) is reached only by "pack" from its
+    region, at the same n, and left the same way; it is never enabled directly."""
+    c = _tree()
+    twin = Candidate(4, c[1].ops, 0, 0, 1, 0.0, 0, 12, None, [], pack=True, twin=1)
+    c[1].twin = 4
+    c.append(twin)
+    assert {k for k, _ in mutations(c, {})} == {"enable"}
+    assert all(4 not in p for _, p in mutations(c, {}))
+    got = {(k, tuple(sorted(p.items()))) for k, p in mutations(c, {1: 3})}
+    assert ("pack", ((4, 3),)) in got
+    got = {(k, tuple(sorted(p.items()))) for k, p in mutations(c, {4: 3})}
+    assert got == {("pack", ((1, 3),)), ("mutate", ((4, 4),)), ("disable", ()),
+                   ("enable", ((2, 2), (4, 3)))}
+
+
 def test_mutate_walks_the_divisors():
     c = _tree()
     plan = {3: 2}
@@ -236,6 +253,50 @@ def test_interpolation_splits_along_the_batch(mode):
     chk = Reference(m, (x, y), cross_entropy, "train").check(split.module())
     assert chk.comparison.allclose, chk.comparison.mismatches
     assert chk.measured_peak == split.simulate().peak < 0.7 * prog.simulate().peak
+
+
+@pytest.mark.parametrize("name", ["gpt", "bert"])
+def test_packed_masks_are_bit_identical_and_smaller(name):
+    """Note [packed masks]: the split with packed dropout masks computes the same
+    bits as the plain split, matches eager, and its simulated peak, lower, is
+    the measured one to the byte."""
+    from magis_nb import zoo
+    from magis_nb.analysis.apply import packable_masks
+    case = zoo.build(name, "tiny")
+    prog = trace(case.model, case.inputs, loss_fn=case.loss_fn)
+    dg = DGraph(prog.graph)
+    best = max(build_ftree(dg, prog.hotspots()), key=lambda c: c.score)
+    f = best.ftrans(4)
+    masks = packable_masks(prog.graph, f, dg)
+    drawn = [n for n in prog.graph.ops if n.target == "aten.bernoulli_.float"]
+    # all but (in GPT) the embedding's, applied before the region's first op
+    assert len(drawn) - 1 <= len(masks) <= len(drawn) and masks
+    plain = prog.with_graph(apply_fission(dg, [f]))
+    packed = prog.with_graph(apply_fission(dg, [dataclasses.replace(f, pack=True)]))
+    targets = [n.target for n in packed.graph.ops]
+    assert targets.count("aten.sum.dim_IntList") - [n.target for n in plain.graph.ops].count(
+        "aten.sum.dim_IntList") == len(masks)
+    # the same masks, so the same bits as the plain split: loss and every gradient
+    runs = []
+    for split in (plain, packed):
+        for q in case.model.parameters():
+            q.grad = None
+        torch.manual_seed(3)
+        loss = split.module()(*case.inputs)
+        runs.append([loss] + [q.grad for q in case.model.parameters() if q.grad is not None])
+    for q in case.model.parameters():
+        q.grad = None
+    assert len(runs[0]) == len(runs[1]) > 1
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    ref = Reference(case.model, case.inputs, case.loss_fn, "train").check(packed.module())
+    assert ref.comparison.allclose, ref.comparison.mismatches
+    assert ref.measured_peak == packed.simulate().peak < plain.simulate().peak
+    # a mask that an op outside the region reads (here its backward) stays whole
+    g = prog.graph
+    r = next(iter(masks))
+    bwd = max(g.readers()[g.storage_of(r)])
+    assert bwd in f.ops
+    assert r not in packable_masks(g, FTrans(f.ops - {bwd}, f.comp, 4), dg)
 
 
 def test_convexity_and_region_outputs_match_a_walk_of_the_whole_graph():

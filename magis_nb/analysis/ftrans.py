@@ -23,6 +23,7 @@ class FTrans:
     ops: frozenset[int]
     comp: int
     n: int = 1
+    pack: bool = False      # pack the dropout masks the parts read (Note [packed masks])
 
     @property
     def enabled(self) -> bool:

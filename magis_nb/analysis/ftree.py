@@ -6,11 +6,13 @@ search starts at the leaves and moves toward the root.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import rustworkx as rx
 
 from ..ir.graph import Graph, Ref, iter_refs
+from .apply import packable_masks
 from .dgraph import DGraph
 from .ftrans import FTrans, check, divisors, max_parts, reentered, weak_pieces
 
@@ -41,9 +43,11 @@ class Candidate:
     max_n: int
     parent: int | None = None
     children: list[int] = field(default_factory=list)
+    pack: bool = False      # its dropout masks packed (Note [packed masks] in apply.py)
+    twin: int | None = None  # the same region with the other ``pack``
 
     def ftrans(self, n: int) -> FTrans:
-        return FTrans(self.ops, self.comp, n)
+        return FTrans(self.ops, self.comp, n, self.pack)
 
 
 def _dominated(g: Graph, nodes: list[int]) -> dict[int, set[int]]:
@@ -167,6 +171,19 @@ def build_ftree(dg: DGraph, hotspots: dict[Ref, int], *, levels: int = 4, n: int
     return cands
 
 
+def add_pack_twins(dg: DGraph, cands: list[Candidate]) -> None:
+    """Append to ``cands`` a twin with ``pack=True`` of every candidate whose split
+    parts read dropout masks that can be packed (Note [packed masks] in apply.py).
+    A twin sits outside the tree (no parent, no children): the "pack" rule of
+    `mutations` is the only way in and out."""
+    for c in list(cands):
+        if c.twin is None and not c.pack and packable_masks(dg.graph, c.ftrans(c.max_n), dg):
+            twin = dataclasses.replace(c, id=len(cands), parent=None, children=[], pack=True,
+                                       twin=c.id)
+            c.twin = twin.id
+            cands.append(twin)
+
+
 def _link(cands: list[Candidate]) -> None:
     """Parent = the smallest strictly larger candidate containing it."""
     for c in cands:
@@ -200,7 +217,9 @@ def _overlaps(cands, plan, i) -> bool:
 
 def mutations(cands: list[Candidate], plan: dict[int, int]) -> list[tuple[str, dict[int, int]]]:
     """Every plan one F-Tree rule away. Enabled regions never overlap: enabling an
-    ancestor of an enabled node is done by lifting (nested fission is not executed)."""
+    ancestor of an enabled node is done by lifting (nested fission is not executed).
+    "pack" swaps an enabled region for its twin (same ops, dropout masks packed or
+    not) at the same n."""
     on = {i for i, n in plan.items() if n > 1}
     out = []
     for c in cands:
@@ -211,12 +230,16 @@ def mutations(cands: list[Candidate], plan: dict[int, int]) -> list[tuple[str, d
                 out.append(("mutate", {**plan, i: nxt[0]}))
             if not any(j in on for j in _descendants(cands, i)):
                 out.append(("disable", {k: v for k, v in plan.items() if k != i}))
+            if c.twin is not None:
+                out.append(("pack", {**{k: v for k, v in plan.items() if k != i}, c.twin: plan[i]}))
             p = c.parent
             if p is not None and not any(j in on for j in _ancestors(cands, i)):
                 lifted = {k: v for k, v in plan.items() if k not in _descendants(cands, p)}
                 lifted[p] = least_parts(cands[p].max_n)
                 if not _overlaps(cands, lifted, p):
                     out.append(("lift", lifted))
+        elif c.pack:
+            continue        # a packed twin is reached from its region by "pack" only
         elif not c.children or any(j in on for j in c.children):
             if any(j in on for j in _ancestors(cands, i)):
                 continue

@@ -41,9 +41,10 @@ def _fission(plan: Plan) -> str:
         return "none"
     rows = "".join(
         f"<tr><td><code>{escape(r.dim)}</code></td><td>{r.n}</td><td>{r.ops}</td>"
-        f"<td><code>{escape(r.first)}</code></td></tr>" for r in plan.fission)
+        f"<td><code>{escape(r.first)}</code></td><td>{'yes' if r.packed else 'no'}</td></tr>"
+        for r in plan.fission)
     return ("<table><tr><th>split dim</th><th>parts n</th><th>ops</th><th>starts at</th>"
-            f"</tr>{rows}</table>")
+            f"<th>dropout masks packed</th></tr>{rows}</table>")
 
 
 def result_html(r: OptimizeResult) -> str:

@@ -57,7 +57,7 @@ class _Builder:
         for cid, n in st.plan:
             c = sp.cands[cid]
             regions.append(Region(sp.dg.components[c.comp].name, n, len(c.ops),
-                                  sp.base.nodes[min(c.ops)].name))
+                                  sp.base.nodes[min(c.ops)].name, c.pack))
         remat = sorted(s.op for b in st.batches if b.kind == "remat" for s in b.specs)
         swaps = sorted(f"{s.producer}" + (f"[{s.out}]" if s.out else "")
                        for b in st.batches if b.kind == "swap" for s in b.specs)
@@ -95,7 +95,7 @@ class _Builder:
                 sp = spans.setdefault(reg[0], [pos[v], pos[v]])
                 sp[0], sp[1] = min(sp[0], pos[v]), max(sp[1], pos[v])
         # region ids follow the plan's order, as plan_of lists them
-        labels = {rid: f"{r.dim}/{r.n}" for rid, r in enumerate(plan.fission)}
+        labels = {rid: r.label for rid, r in enumerate(plan.fission)}
         regions = [(a, b, labels.get(rid, f"region {rid}")) for rid, (a, b) in sorted(spans.items())]
         cats = {c: v for c, v in tl.by_category.items() if c != "host"}
         return Timeline(cats, host, tl.peak, tl.peak_steps[0] if tl.peak_steps else 0, regions)

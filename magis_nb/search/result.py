@@ -24,6 +24,11 @@ class Region:
     n: int              # parts
     ops: int            # ops in the region
     first: str          # name of the region's first op (where it starts in the model)
+    packed: bool = False  # its dropout masks packed 8 to a byte (Note [packed masks])
+
+    @property
+    def label(self) -> str:
+        return f"{self.dim}/{self.n}" + (" packed" if self.packed else "")
 
 
 @dataclass
@@ -41,7 +46,7 @@ class Plan:
         """One line: what this plan does to the program."""
         parts = []
         if self.fission:
-            parts.append("fission " + ", ".join(f"{r.dim}/{r.n}" for r in self.fission))
+            parts.append("fission " + ", ".join(r.label for r in self.fission))
         if self.remat:
             parts.append(f"remat {len(self.remat)}")
         if self.swaps:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..analysis import DGraph, apply_fission, build_ftree
+from ..analysis.ftree import add_pack_twins
 from ..ir.digest import graph_digest
 from ..ir.graph import Graph, Ref, iter_refs
 from ..program import Program
@@ -153,6 +154,7 @@ class Space:
         # candidates, so no plan ever names a region and nothing reads self.dg
         self.dg = DGraph(self.base) if fission else None
         self.cands = build_ftree(self.dg, program.hotspots(), levels=levels) if fission else []
+        add_pack_twins(self.dg, self.cands)
         self._fission: dict[tuple, Graph] = {}
         self.evaluated = 0
 
