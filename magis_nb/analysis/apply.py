@@ -223,6 +223,9 @@ def packable_masks(g: Graph, f: FTrans, dg: DGraph) -> dict[Ref, int]:
             if src.target != "aten.empty_strided.default" or list(src.args[1]) != _contiguous(t.shape) \
                     or tuple(src.args[0]) != tuple(t.shape) or base in outs:
                 continue
+            # the allocation itself or the draw into it (in place: same layout), no other view
+            if r != base and (g.nodes[r.node].target != "aten.bernoulli_.float" or t.alias != base):
+                continue
             if all(u in f.ops or u == r.node for u in rd.get(base, ())):
                 found[r] = d
     return found
