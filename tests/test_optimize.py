@@ -1,5 +1,6 @@
 """optimize(): budgets, feasibility in simulation and measurement, eager equality,
 monotonic selection, progress, interruption, determinism, errors."""
+import copy
 import math
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 
 import magis_nb
 from magis_nb import zoo
+from magis_nb.analysis import divisors
 from magis_nb.search import Progress
 from magis_nb.verify import Reference
 
@@ -192,7 +194,7 @@ def _fake_measure(res, factor):
     """measure(module) for fit_measured: the plan's simulated ratio times ``factor``
     (a program overhead the simulator does not see)."""
     def measure(mod):
-        plan = next(p for p in res.pareto if res.module_for(p) is mod)
+        plan = next(p for p in res.pareto + res.refined if res._modules.get(id(p)) is mod)
         return factor * plan.latency / res.before.latency
     return measure
 
@@ -202,17 +204,48 @@ def test_fit_measured_picks_the_lowest_peak_plan_that_measures_within_the_budget
     budget, factor = 1.10, 1.05
     pick = res.select(lat_budget=budget)       # the pick on simulated latency
     plan = res.fit_measured(_fake_measure(res, factor), budget, tries=len(res.pareto))
-    fits = [p for p in res.pareto if factor * p.latency / res.before.latency <= budget]
+    fits = [p for p in res.pareto + res.refined if factor * p.latency / res.before.latency <= budget]
     assert fits and pick not in fits, "the simulated pick measures over; a faster plan fits"
     assert plan is min(fits, key=lambda p: (p.peak, p.latency))
     assert res.met and "measured latency budget x1.10 met" in res.message
     # select()'s pick first, then the fastest plan, then bisection between them
     assert res.fits[0][0] is pick
     assert res.fits[1][0] is min(res.pareto, key=lambda p: p.latency)
-    assert len(res.fits) <= 2 + math.ceil(math.log2(len(res.pareto)))
+    assert len(res.fits) <= 2 + math.ceil(math.log2(len(res.pareto))) + \
+        math.ceil(math.log2(len(res.refined) + 1))
     assert dict((id(p), r) for p, r in res.fits)[id(plan)] == pytest.approx(
         factor * plan.latency / res.before.latency)
     res.select(mem_budget=0.5)
+
+
+def test_fit_measured_refines_between_two_splits_the_front_skips(gpt, gpt_mem):
+    """A front with nothing between the unsplit plan and a split in 8 (as on a CPU,
+    where smaller splits can simulate slower and drop off it): fit_measured builds
+    the splits in between and bisects among them on measured time."""
+    res = copy.copy(gpt_mem)
+    res._modules, res.pareto = {}, list(res.pareto)
+    sp = res._builder.space
+    top = max((c for c in sp.cands if not c.pack), key=lambda c: c.score)
+    n_hi = max(d for d in divisors(top.max_n) if d <= 8)
+    g, batches = sp.build(((top.id, n_hi),), ())
+    hi = res._builder.plan_of(sp.evaluate(((top.id, n_hi),), batches, g))
+    res.pareto = [hi, res.before]
+
+    def n_of(p):
+        return p.fission[0].n if p.fission else 1
+
+    # a budget the split's simulated latency meets, so it is measured first
+    budget = max(1.10, 1.01 * hi.latency / res.before.latency)
+
+    def measure(mod):   # measured time rises with n: n <= 2 fits
+        plan = next(p for p in res.pareto + res.refined if res._modules.get(id(p)) is mod)
+        return budget * (1 + 0.01 * (n_of(plan) - 2.5))
+
+    plan = res.fit_measured(measure, budget)
+    assert [n_of(p) for p in res.refined] == [d for d in divisors(top.max_n) if 1 < d < n_hi]
+    assert res.met and n_of(plan) == 2
+    assert plan in res.refined and plan.peak < res.before.peak
+    assert [n_of(p) for p, _ in res.fits][:2] == [n_hi, 1]    # the front first, then between
 
 
 def test_fit_measured_says_when_no_plan_measures_within_the_budget(gpt_mem):

@@ -7,6 +7,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from ..analysis.ftrans import divisors
 from ..program import trace
 from ..runtime import OptimizedModule
 from ..simulate.cost import make_cost
@@ -65,6 +66,30 @@ class _Builder:
                           for s in b.specs]
                          + [f"sink {s.op}" for b in st.batches if b.kind == "sink" for s in b.specs])
         return Plan(st.peak, st.latency, regions, remat, swaps, st, algebra)
+
+    def between(self, lo: Plan, hi: Plan) -> list[Plan]:
+        """``hi``'s one fission region at every n strictly between ``lo``'s (1 when
+        ``lo`` splits nothing) and ``hi``'s, ``hi``'s rewrites replayed; by
+        increasing n. Empty unless both plans split that same region alone.
+
+        The front can hold nothing between two splits of one region: with op
+        costs measured on a CPU a smaller split can simulate slower than a larger
+        one (small parts run from cache when their ops are timed alone), and the
+        smaller is then dominated. Measured, the order is the other way round."""
+        a, b = dict(lo.state.plan), dict(hi.state.plan)
+        if len(b) != 1:
+            return []
+        ((cid, n_hi),) = b.items()
+        if a and set(a) != {cid}:
+            return []
+        n_lo = a.get(cid, 1)
+        out = []
+        for d in divisors(self.space.cands[cid].max_n):
+            if n_lo < d < n_hi:
+                plan = ((cid, d),)
+                g, batches = self.space.build(plan, hi.state.batches)
+                out.append(self.plan_of(self.space.evaluate(plan, batches, g)))
+        return out
 
     def module(self, plan: Plan) -> nn.Module:
         st = plan.state

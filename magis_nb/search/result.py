@@ -117,6 +117,9 @@ class OptimizeResult:
     timings: dict = field(default_factory=dict)
     # fit_measured: every (plan, measured time ratio) it tried, in order
     fits: list = field(default_factory=list)
+    # fit_measured: plans it built between two adjacent plans of the front (same
+    # region, the n's in between), by increasing n
+    refined: list = field(default_factory=list)
 
     # -- picking another plan -------------------------------------------------------
     def select(self, mem_budget: float | int | None = None,
@@ -145,26 +148,31 @@ class OptimizeResult:
         the measured ratio falls as the simulated one does, so: measure the plan
         ``select`` picks; if it is over, measure the fastest plan; if that fits,
         bisect between the two on the front, at most ``tries`` measurements in
-        all. ``met`` says whether a measured plan fits; when none does, the one
-        that measured fastest is chosen. Every measurement is kept in ``fits``
-        as (plan, measured ratio).
+        all. When that ends between two splits of one region with n's in between
+        that the front does not hold, those plans are built (``refined``) and
+        the bisection goes on among them. ``met`` says whether a measured plan
+        fits; when none does, the one that measured fastest is chosen. Every
+        measurement is kept in ``fits`` as (plan, measured ratio).
         """
         if lat_budget <= 0:
             raise ValueError(f"lat_budget must be positive, got {lat_budget!r}")
         base = self.before.latency
         front = sorted(self.pareto, key=lambda p: (p.peak, p.latency))
         within = [i for i, p in enumerate(front) if p.latency <= lat_budget * base]
-        self.fits = []
+        self.fits, self.refined = [], []
         ratios: dict[int, float] = {}
 
-        def measured(i: int) -> float:
-            if i not in ratios:
-                ratios[i] = float(measure(self.module_for(front[i])))
-                self.fits.append((front[i], ratios[i]))
+        def measured_plan(p: Plan) -> float:
+            if id(p) not in ratios:
+                ratios[id(p)] = float(measure(self.module_for(p)))
+                self.fits.append((p, ratios[id(p)]))
                 # drop it (and its host buffers) before the next plan runs: modules
                 # piling up change the process's memory, and later timings with it
-                self.drop_module(front[i])
-            return ratios[i]
+                self.drop_module(p)
+            return ratios[id(p)]
+
+        def measured(i: int) -> float:
+            return measured_plan(front[i])
 
         # over: a plan known to measure over the budget; ok: one known to fit
         over, ok = -1, None
@@ -182,7 +190,21 @@ class OptimizeResult:
             else:
                 over = mid
         if ok is not None:
-            plan, ratio = front[ok], ratios[ok]
+            plan = front[ok]
+            if over >= 0 and ok - over == 1 and len(self.fits) < tries:
+                # largest n that fits among the splits in between (measured time
+                # rises with n): good fits (or -1: front[ok]), bad is over
+                self.refined = self._builder.between(front[ok], front[over])
+                good, bad = -1, len(self.refined)
+                while bad - good > 1 and len(self.fits) < tries:
+                    mid = (good + bad) // 2
+                    if measured_plan(self.refined[mid]) <= lat_budget:
+                        good = mid
+                    else:
+                        bad = mid
+                if good >= 0:
+                    plan = self.refined[good]
+            ratio = ratios[id(plan)]
         else:
             plan, ratio = min(self.fits, key=lambda t: t[1])
         self.plan, self.met = plan, ok is not None
