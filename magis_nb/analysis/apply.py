@@ -24,8 +24,9 @@ same bits, so results stay bit-identical. Packing is along the last dim, so
 the mask must be contiguous, a multiple of 8 long there, and split along
 another dim. It costs time (GPT-Neo split in 16 on the RTX 3090 roofline: the
 peak 0.256 -> 0.175 of the unsplit one, the latency x1.064 -> x1.097), so it is
-the search's choice: ``FTrans.pack``, a twin of each F-Tree candidate that has
-such masks (``search.space``), swapped in and out by the "pack" rule.
+the search's choice: ``FTrans.pack``, set on a twin of each F-Tree candidate
+that has such masks (``ftree.add_pack_twins``, which the search's Space calls),
+swapped in and out by the "pack" rule of ``ftree.mutations``.
 """
 from __future__ import annotations
 
