@@ -171,37 +171,34 @@ class OptimizeResult:
                 self.drop_module(p)
             return ratios[id(p)]
 
-        def measured(i: int) -> float:
-            return measured_plan(front[i])
+        def bisect(plans: list[Plan], good: int, bad: int) -> tuple[int, int]:
+            """Indices into ``plans`` of one that fits and one measured over the
+            budget (-1 or len(plans): known from elsewhere), narrowed to neighbours."""
+            while abs(bad - good) > 1 and len(self.fits) < tries:
+                mid = (good + bad) // 2
+                if measured_plan(plans[mid]) <= lat_budget:
+                    good = mid
+                else:
+                    bad = mid
+            return good, bad
 
         # over: a plan known to measure over the budget; ok: one known to fit
         over, ok = -1, None
         for i in ([within[0]] if within else []) + [len(front) - 1]:
             if len(self.fits) >= max(1, tries):
                 break
-            if measured(i) <= lat_budget:
+            if measured_plan(front[i]) <= lat_budget:
                 ok = i
                 break
             over = i
-        while ok is not None and ok - over > 1 and len(self.fits) < tries:
-            mid = (over + ok) // 2
-            if measured(mid) <= lat_budget:
-                ok = mid
-            else:
-                over = mid
         if ok is not None:
+            ok, over = bisect(front, ok, over)
             plan = front[ok]
             if over >= 0 and ok - over == 1 and len(self.fits) < tries:
                 # largest n that fits among the splits in between (measured time
-                # rises with n): good fits (or -1: front[ok]), bad is over
+                # rises with n): -1 stands for front[ok], len for front[over]
                 self.refined = self._builder.between(front[ok], front[over])
-                good, bad = -1, len(self.refined)
-                while bad - good > 1 and len(self.fits) < tries:
-                    mid = (good + bad) // 2
-                    if measured_plan(self.refined[mid]) <= lat_budget:
-                        good = mid
-                    else:
-                        bad = mid
+                good, _ = bisect(self.refined, -1, len(self.refined))
                 if good >= 0:
                     plan = self.refined[good]
             ratio = ratios[id(plan)]
