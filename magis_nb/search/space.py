@@ -152,9 +152,11 @@ class Space:
         self.async_copies = async_copies
         # fission=False: no D-Graph (about 2 s on paper BTLM) and no F-Tree
         # candidates, so no plan ever names a region and nothing reads self.dg
-        self.dg = DGraph(self.base) if fission else None
-        self.cands = build_ftree(self.dg, program.hotspots(), levels=levels) if fission else []
-        add_pack_twins(self.dg, self.cands)
+        self.dg, self.cands = None, []
+        if fission:
+            self.dg = DGraph(self.base)
+            self.cands = build_ftree(self.dg, program.hotspots(), levels=levels)
+            add_pack_twins(self.dg, self.cands)
         self._fission: dict[tuple, Graph] = {}
         self.evaluated = 0
 
