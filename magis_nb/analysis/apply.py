@@ -53,10 +53,53 @@ def _itemsize(t: TensorInfo) -> int:
         return t.nbytes // n if n else 4
 
 
-def _info(shape, like: TensorInfo, alias: Ref | None = None) -> TensorInfo:
+def _info(shape, like: TensorInfo, alias: Ref | None = None, stride=None) -> TensorInfo:
     shape = tuple(shape)
     nbytes = 0 if alias is not None else math.prod(shape) * _itemsize(like)
-    return TensorInfo(shape, like.dtype, nbytes, alias)
+    return TensorInfo(shape, like.dtype, nbytes, alias, None if stride is None else tuple(stride))
+
+
+def _full_stride(t: TensorInfo) -> tuple[int, ...]:
+    """The strides of the full-size result a region output is assembled into
+    (DESIGN.md §11 "Layout is semantics": the views outside the region were
+    traced against the original's strides). The original's when they are dense
+    (a transposed or permuted layout: ``scaled_dot_product_attention``'s output);
+    for a layout with gaps or overlaps (an expanded or sliced original), dense
+    strides with the dims in the original's order (an expanded dim where a
+    contiguous layout has it), since the parts are written into it (``copy_``
+    cannot write overlapping elements) and every view valid on the original is
+    valid on those; contiguous when the graph does not know."""
+    shape = tuple(t.shape)
+    if t.stride is None or len(t.stride) != len(shape):
+        return tuple(_contiguous(shape))
+    stride = tuple(t.stride)
+    expect = 1
+    for st, sz in sorted((st, sz) for sz, st in zip(shape, stride) if sz != 1):
+        if st != expect:
+            break
+        expect *= sz
+    else:
+        return stride
+    # an expanded dim (stride 0) sits where a contiguous layout puts it
+    eff = list(stride)
+    for d in reversed(range(len(shape))):
+        if eff[d] == 0:
+            eff[d] = eff[d + 1] * shape[d + 1] if d + 1 < len(shape) else 1
+    order = sorted(range(len(shape)), key=lambda d: (-eff[d], d))   # outermost first
+    out, acc = [0] * len(shape), 1
+    for d in reversed(order):
+        out[d] = acc
+        acc *= shape[d]
+    return tuple(out)
+
+
+def _layout_seen(g: Graph, r: Ref, region: frozenset[int]) -> bool:
+    """An op after the region reads output ``r`` (directly or through a view), so
+    its strides are part of the program. Otherwise ``r`` is only returned (a weight
+    gradient, split along the batch and summed): contiguous is then what eager's
+    AccumulateGrad gives, and accumulating into a transposed buffer measured up to
+    3x slower per part here."""
+    return bool(g.readers().get(g.storage_of(r), set()) - region)
 
 
 class _Builder:
@@ -317,27 +360,45 @@ def _expand_region(b: _Builder, dg: DGraph, f: FTrans, rid: int, plan, joined) -
         seq[0] += 1
         return (last, phase, k, seq[0])
 
-    # Full-size destinations of concatenated outputs, allocated before part 0.
+    # Full-size destinations of concatenated outputs, allocated before part 0,
+    # laid out as the outputs they stand for (`_full_stride`).
     dest: dict[Ref, int] = {}
+    full_st: dict[Ref, tuple] = {}
     for r, (how, dim) in plan.items():
+        t = g.tensor(r)
+        st = full_st[r] = _full_stride(t) if _layout_seen(g, r, f.ops) else tuple(_contiguous(t.shape))
+        plain = st == tuple(_contiguous(t.shape))
+        nm, cat = g.nodes[r.node].name, g.nodes[r.node].category
+        kw = {"dtype": t.dtype, "layout": torch.strided, "device": torch.device("cpu"),
+              "pin_memory": False}
         if how == "cat":
-            t = g.tensor(r)
-            dest[r] = b.op("aten.empty.memory_format", aten.empty.memory_format,
-                           [list(t.shape)], {"dtype": t.dtype, "layout": torch.strided,
-                                             "device": torch.device("cpu"), "pin_memory": False},
-                           [_info(t.shape, t)], key(0, 0), g.nodes[r.node].name + "_full",
-                           g.nodes[r.node].category)
+            if plain:
+                dest[r] = b.op("aten.empty.memory_format", aten.empty.memory_format,
+                               [list(t.shape)], kw, [_info(t.shape, t, stride=st)], key(0, 0),
+                               nm + "_full", cat)
+            else:
+                dest[r] = b.op("aten.empty_strided.default", aten.empty_strided.default,
+                               [list(t.shape), list(st)], kw, [_info(t.shape, t, stride=st)],
+                               key(0, 0), nm + "_full", cat)
+            continue
+        # Reductions accumulate in place into a full-size tensor made before part 0
+        # (0 for sums, -inf/+inf for max/min), so every part runs the same code.
+        fill = {"sum": 0.0, "mean": 0.0, "max": float("-inf"), "min": float("inf")}[how]
+        if plain:
+            dest[r] = b.op("aten.full.default", aten.full.default, [list(t.shape), fill], kw,
+                           [_info(t.shape, t, stride=st)], key(0, 0), nm + "_acc", cat)
         else:
-            # Reductions accumulate in place into a full-size tensor made before part 0
-            # (0 for sums, -inf/+inf for max/min), so every part runs the same code.
-            t = g.tensor(r)
-            fill = {"sum": 0.0, "mean": 0.0, "max": float("-inf"), "min": float("inf")}[how]
-            acc_init = b.op("aten.full.default", aten.full.default, [list(t.shape), fill],
-                            {"dtype": t.dtype, "layout": torch.strided,
-                             "device": torch.device("cpu"), "pin_memory": False},
-                            [_info(t.shape, t)], key(0, 0), g.nodes[r.node].name + "_acc",
-                            g.nodes[r.node].category)
-            dest[r] = acc_init
+            # filled in memory order, then permuted to the original's dim order: one
+            # allocating op and a view, no in-place fill the rules would have to respect
+            order = sorted(range(len(st)), key=lambda d: (-st[d], d))
+            shape_m = [t.shape[d] for d in order]
+            e = b.op("aten.full.default", aten.full.default, [shape_m, fill], kw,
+                     [_info(shape_m, t, stride=_contiguous(shape_m))], key(0, 0),
+                     nm + "_acc", cat)
+            dest[r] = b.op("aten.permute.default", aten.permute.default,
+                           [Ref(e, 0), [order.index(d) for d in range(len(st))]], {},
+                           [_info(t.shape, t, alias=Ref(e, 0), stride=st)], key(0, 0),
+                           nm + "_acc0", cat)
     writes: dict[Ref, list[int]] = {r: [] for r in plan}
     fused = _fused_matmuls(g, f, plan)
     packed = _pack_masks(b, g, f, dg, rid, key(0, 0)) if f.pack else {}
@@ -466,5 +527,6 @@ def _expand_region(b: _Builder, dg: DGraph, f: FTrans, rid: int, plan, joined) -
                       [_info(t.shape, t, alias=base)], key(2, 0), f"{nm}_mean", cat, deps=deps)
             deps = [dv]
         j = b.op("aten.alias.default", aten.alias.default, [base], {},
-                 [_info(t.shape, t, alias=base)], key(2, 0), nm, cat, deps=deps)
+                 [_info(t.shape, t, alias=base, stride=full_st[r])], key(2, 0), nm, cat,
+                 deps=deps)
         joined[r] = Ref(j, 0)

@@ -44,9 +44,16 @@ class Redirect:
                 alias = self.g.tensor(v).alias
                 args = tuple(prev if x == alias else rw.fix(x) if isinstance(x, Ref) else x
                              for x in vn.args)
-                info = dataclasses.replace(self.g.tensor(v), alias=prev)
-                self.rebuilt[v] = Ref(rw.add(vn.name + "_re", vn.target, vn.op, args,
-                                             dict(vn.kwargs), [info], vn.category), 0)
+                # every output of the view op, each a view of the copy (split,
+                # unbind and chunk return several): output k stays output k
+                infos = [None if t is None else dataclasses.replace(t, alias=prev)
+                         for t in vn.outputs]
+                nid = rw.add(vn.name + "_re", vn.target, vn.op, args, dict(vn.kwargs), infos,
+                             vn.category)
+                rw.nodes[nid].multi = vn.multi
+                for k, t in enumerate(vn.outputs):
+                    if t is not None:
+                        self.rebuilt.setdefault(Ref(v.node, k), Ref(nid, k))
             prev = self.rebuilt[v]
         return prev
 

@@ -13,6 +13,9 @@ are synchronous; asynchronous copies on a CUDA stream are the GPU runtime's job.
 
 A user may read ``a``'s output through views (the backward reads saved
 activations through ``detach``): the views are rebuilt on the loaded copy.
+They were traced against ``a``'s strides, so the host buffer and the loaded copy
+have those strides too (the buffer's TensorInfo carries them; `runtime.copies`
+allocates and copies by them): DESIGN.md §11 "Layout is semantics".
 """
 from __future__ import annotations
 
@@ -103,7 +106,8 @@ def swap_all(g: Graph, specs: Iterable[tuple[Ref, Iterable[int]]]) -> Graph:
             loads[k] = rw.add(src.name + "_load", "aten._to_copy.default",
                               aten._to_copy.default, (Ref(stores[k], 0),),
                               {"device": torch.device("cpu")},
-                              [TensorInfo(t.shape, t.dtype, t.nbytes)], src.category)
+                              [TensorInfo(t.shape, t.dtype, t.nbytes, None, t.stride, t.device)],
+                              src.category)
         if n.id in by_user:
             redirect.copy(rw, n, {specs[k][0]: Ref(loads[k], 0) for k in by_user[n.id]})
         else:
@@ -122,7 +126,7 @@ def swap_all(g: Graph, specs: Iterable[tuple[Ref, Iterable[int]]]) -> Graph:
             pool = Ref(pools[k], 0)
             stores[k] = rw.add(src.name + "_store", "aten.copy_.default",
                                aten.copy_.default, (pool, rw.fix(a)), {},
-                               [TensorInfo(t.shape, t.dtype, 0, pool)], "host")
+                               [TensorInfo(t.shape, t.dtype, 0, pool, t.stride, t.device)], "host")
         return True
 
     return prune_dead_views(Rewriter(g).run(rule))

@@ -15,6 +15,14 @@ only where a loaded tensor is first read, so transfers overlap compute as the
 plan's latency model assumes. `TimedCudaCopies` also times every transfer and
 every wait with CUDA events: how much transfer time compute actually waited for;
 `TimedSyncCopies` times the CPU's copies with the host clock.
+
+Layout is semantics (DESIGN.md §11): the program's views were traced against the
+strides the swapped tensor had, so a host buffer is allocated with those strides
+(`host_buffer`) and a loaded copy gets them too. A dense layout (a permutation of
+a contiguous one: ``scaled_dot_product_attention``'s output, a ``transpose``)
+copies element by element as usual; a layout with gaps or overlaps (an expanded
+tensor) copies the memory span it covers (`copy_layout`), since ``copy_`` cannot
+write into overlapping elements and ``_to_copy`` would return a contiguous tensor.
 """
 from __future__ import annotations
 
@@ -26,15 +34,77 @@ import torch
 aten = torch.ops.aten
 
 
+def is_dense(shape, stride) -> bool:
+    """Non-overlapping and dense: the strides are a permutation of contiguous
+    ones (size-1 dims ignored). Such a layout survives ``_to_copy`` and
+    ``empty_like`` (preserve_format); any other comes back contiguous."""
+    expect = 1
+    for st, sz in sorted((st, sz) for sz, st in zip(shape, stride) if sz != 1):
+        if st != expect:
+            return False
+        expect *= sz
+    return True
+
+
+def _span(t: torch.Tensor) -> torch.Tensor:
+    """A 1-d view of the memory ``t`` covers (gaps and overlaps included)."""
+    if t.numel() == 0:
+        return t.reshape(0)
+    n = 1 + sum((sz - 1) * st for sz, st in zip(t.shape, t.stride()))
+    return t.as_strided((n,), (1,), t.storage_offset())
+
+
+def host_buffer(shape, stride, dtype, pin: bool = False) -> torch.Tensor:
+    """The host buffer of a swapped tensor: its shape *and* its strides (contiguous
+    when the strides are unknown)."""
+    if stride is None:
+        return torch.empty(shape, dtype=dtype, pin_memory=pin)
+    return torch.empty_strided(shape, stride, dtype=dtype, pin_memory=pin)
+
+
+def copy_layout(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
+    """``dst.copy_(src)``; when both have the same layout with gaps or overlaps,
+    the memory span they cover instead (``copy_`` refuses overlapping targets)."""
+    if dst.stride() == src.stride() and dst.shape == src.shape \
+            and not is_dense(dst.shape, dst.stride()):
+        _span(dst).copy_(_span(src), non_blocking=non_blocking)
+    else:
+        dst.copy_(src, non_blocking=non_blocking)
+
+
+def match_layout(pool: torch.Tensor, x: torch.Tensor) -> None:
+    """Give ``pool`` the strides of the tensor stored into it, in place, if they
+    differ (a tensor a rewrite made, whose strides the graph did not record, or
+    a kernel that lays out its output otherwise than its meta function said):
+    the Load then returns ``x``'s layout and views of it stay valid. The buffer
+    keeps its storage; a layout whose span does not fit in it is left alone."""
+    if pool.stride() == x.stride() or pool.shape != x.shape:
+        return
+    need = (1 + sum((sz - 1) * st for sz, st in zip(x.shape, x.stride()))) if x.numel() else 0
+    if need * pool.element_size() <= pool.untyped_storage().nbytes():
+        pool.as_strided_(x.shape, x.stride(), 0)
+
+
+def load_like(pool: torch.Tensor, dev) -> torch.Tensor:
+    """A copy of ``pool`` on ``dev`` with ``pool``'s strides."""
+    if is_dense(pool.shape, pool.stride()):
+        # _to_copy always copies (Tensor.to would return ``pool`` itself on the
+        # CPU) and keeps a dense layout (memory_format=preserve)
+        return aten._to_copy.default(pool, device=dev)
+    y = torch.empty_strided(pool.shape, pool.stride(), dtype=pool.dtype, device=dev)
+    copy_layout(y, pool)
+    return y
+
+
 class SyncCopies:
     """Copies that are done when the call returns (the CPU's only kind)."""
 
     def store(self, k: int, pool: torch.Tensor, x: torch.Tensor) -> None:
-        pool.copy_(x)
+        match_layout(pool, x)
+        copy_layout(pool, x)
 
     def load(self, k: int, pool: torch.Tensor, dev) -> torch.Tensor:
-        # _to_copy always copies (Tensor.to would return ``pool`` itself on the CPU)
-        return aten._to_copy.default(pool, device=dev)
+        return load_like(pool, dev)
 
     def ready(self, k: int) -> None:
         pass
@@ -75,20 +145,22 @@ class CudaCopies:
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """One transfer, issued on the copy stream (the caller made it current)."""
-        dst.copy_(src, non_blocking=True)
+        copy_layout(dst, src, non_blocking=True)
 
     def _wait(self, k: int, wait) -> None:
         """Make compute wait (``wait``); ``k``: the swap, -1 for finish."""
         wait()
 
     def store(self, k: int, pool: torch.Tensor, x: torch.Tensor) -> None:
+        match_layout(pool, x)       # metadata only: before the copy is issued
         self.stream.wait_stream(self._compute())
         with torch.cuda.stream(self.stream):
             self._copy(pool, x)
         x.record_stream(self.stream)
 
     def load(self, k: int, pool: torch.Tensor, dev) -> torch.Tensor:
-        y = torch.empty(pool.shape, dtype=pool.dtype, device=self.device)
+        # the swapped tensor's strides (the buffer's: see `host_buffer`)
+        y = torch.empty_strided(pool.shape, pool.stride(), dtype=pool.dtype, device=self.device)
         self.stream.wait_stream(self._compute())
         with torch.cuda.stream(self.stream):
             self._copy(y, pool)
