@@ -28,7 +28,9 @@ the axis); ``chunk_args`` reads the part's sizes (and n) off it.
 Parts get plain ``narrow`` views, which are not contiguous when an inner dim is
 cut. Axes where a kernel mishandles that are left out: native_layer_norm_backward
 reads mean/rstd ignoring their strides (only its outermost leading dim is listed),
-native_group_norm(_backward) needs a contiguous input (batch only).
+native_group_norm(_backward) needs a contiguous input (batch only). The fused
+scaled_dot_product_attention kernels (dims_attention.py) split along batch and
+heads, and on CPU along the query sequence when not causal.
 
 Size-1 dims are never axes (they cannot be split), and broadcast dims (an input
 dim of size 1 against a larger output dim) are not indexed. Ops without a rule,
@@ -37,7 +39,7 @@ RNG ops (dropout) and ops with no tensor output are barriers: ``op_dims`` is Non
 from __future__ import annotations
 
 from ..ir.graph import Node
-from . import dims_index, dims_nn, dims_ops, dims_shape  # noqa: F401  (register the rules)
+from . import dims_index, dims_nn, dims_ops, dims_shape, dims_attention  # noqa: F401  (last: overrides dims_nn)
 from .dims_base import RULES, Axis, Bound, OpDims
 
 __all__ = ["Axis", "OpDims", "op_dims", "covered_targets"]
