@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from .capture import eager_step, flatten
+from .capture import eager_step, flatten, split_call
 from .runtime.measure import measure_cpu, model_baseline
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -95,12 +95,19 @@ class Reference:
         for p in self.model.parameters():
             p.grad = None
 
-    def check(self, runner: Callable, *, rtol=RTOL, atol=ATOL) -> StepCheck:
+    def check(self, runner: Callable, *, rtol=RTOL, atol=ATOL, rel_atol: float = 0.0) -> StepCheck:
         self.restore()
         torch.manual_seed(self.seed)
-        ours = measure_cpu(lambda: runner(*self.inputs), model_baseline(self.model, self.inputs))
-        cmp = compare_models(self.ref, self.model, self.out, ours.result, rtol=rtol, atol=atol)
-        self.restore()
+        args, kwargs = split_call(self.inputs)
+        # what the runner keeps between steps (an OptimizedModule's lifted constants)
+        own = runner.resident() if hasattr(runner, "resident") else []
+        try:
+            ours = measure_cpu(lambda: runner(*args, **kwargs),
+                               model_baseline(self.model, self.inputs) + own)
+            cmp = compare_models(self.ref, self.model, self.out, ours.result, rtol=rtol,
+                                 atol=atol, rel_atol=rel_atol)
+        finally:
+            self.restore()
         return StepCheck(cmp, ours.peak, ours.baseline, self.eager_peak)
 
 

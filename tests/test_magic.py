@@ -1,4 +1,7 @@
 """%%magis and %magis_budget in an in-process IPython shell, against the real optimize()."""
+import functools
+import importlib
+
 import pytest
 import torch
 from IPython.core.error import UsageError
@@ -159,10 +162,33 @@ def test_error_paths_leave_namespace(ip):
 
 
 def test_capture_failure_names_source_line(ip):
+    # a shape that depends on values: no example value makes it traceable
     body = MODEL.replace("        h = self.emb(idx)\n",
-                         "        h = self.emb(idx)\n        if h.sum() > 0:\n            h = -h\n")
+                         "        h = self.emb(idx)\n        h = h * h[h > 0].mean()\n")
     _, msg = _untouched(ip, "", body, "could not capture model")
-    assert "if h.sum() > 0:" in msg
+    assert "h = h * h[h > 0].mean()" in msg
+
+
+DICT_MODEL = MODEL.replace("""    def forward(self, idx):
+        h = self.emb(idx)
+        return self.head(h + self.mlp(h))""", """    def forward(self, input_ids, labels=None, attention_mask=None):
+        h = self.emb(input_ids)
+        if attention_mask is not None:
+            h = h * attention_mask[..., None]
+        logits = self.head(h + self.mlp(h))
+        if h.sum() > -1e9:               # a value branch: specialized, then re-checked
+            logits = logits * 1.0
+        return {"loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten()), "logits": logits}""")
+DICT_MODEL = DICT_MODEL.split("def loss_fn")[0] + "batch = {'input_ids': x, 'labels': y, 'attention_mask': torch.ones(8, 32)}\n"
+
+
+def test_dict_batch_and_own_loss(ip):
+    res, out = magis(ip, "--mem 0.6 -q", DICT_MODEL)
+    assert res.error_in_exec is None, out.stdout + out.stderr
+    ns = ip.user_ns
+    assert ns["model_opt_result"].verified
+    loss = ns["model_opt"](**ns["batch"])
+    assert loss.dim() == 0 and ns["model"].emb.weight.grad is not None
 
 
 def test_infeasible_budget_says_lowest_peak(ip):
@@ -211,11 +237,14 @@ def test_ctrl_c_keeps_the_best_plan_so_far(ip, monkeypatch):
     def interrupting(shell, quiet, time_budget, label):
         def report(p):
             calls.append(p)
-            if len(calls) == 2 and not p.done:
+            if not p.done and len(calls) == 1:    # the first report: mid-search
                 raise KeyboardInterrupt
         report.close = lambda failed=None: None
         return report
     monkeypatch.setattr(progress, "reporter", interrupting)
+    # a report after every state, so the interrupt lands mid-search however fast it runs
+    opt_mod = importlib.import_module("magis_nb.search.optimize")
+    monkeypatch.setattr(opt_mod, "search", functools.partial(opt_mod.search, progress_every=0.0))
     res, out = magis(ip, "--no-plot --time 30")
     assert res.error_in_exec is None, out.stdout
     r = ip.user_ns["model_opt_result"]

@@ -14,7 +14,7 @@ EXPECT = {
     "02_budget_slider": ["budget now: x0.45", "bound module is the plan's: True"],
     "03_fission_unet": ["chosen plan:", "Pareto plans split a region"],
     "04_swap_and_gpu": ["optimized step:", "GPU part"],
-    "05_your_own_model": ["several candidate models", "loss "],
+    "05_your_own_model": ["several candidate models", "loss ", "checked against eager: True"],
 }
 
 

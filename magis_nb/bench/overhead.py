@@ -95,12 +95,12 @@ def run(name: str, size: str, reps: int, compiled: bool, top: int, share_conv: b
         import torch._inductor.config as iconfig
 
         from .peers_compile import compile_plan
-        from .peers_strategies import _Step
+        from ..capture import LossModule
 
         iconfig.fallback_random = True          # eager's dropout masks on both sides
         iconfig.cpp.enable_kernel_profile = True
         prog = compile_plan(prog, share_conv=share_conv)
-        fn = torch.compile(_Step(ref_model, case.loss_fn, "train"))
+        fn = torch.compile(LossModule(ref_model, case.loss_fn))
 
         def ref():
             loss = fn(*case.inputs)[0]

@@ -17,8 +17,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..capture import eager_step
-from ..capture.export import _Step
+from ..capture import LossModule, eager_step
 from ..capture.outputs import find_loss
 from ..rules.swap import pool_inputs
 from .peers_harness import Candidate
@@ -93,7 +92,7 @@ def compiled(budget: float, backend: str = "inductor"):
         fconfig.activation_memory_budget = budget
         iconfig.fallback_random = True  # dropout draws eager's masks (allclose is checkable)
         m = _fresh(case)
-        fn = torch.compile(_Step(m, case.loss_fn, "train"), backend=backend)
+        fn = torch.compile(LossModule(m, case.loss_fn), backend=backend)
 
         def step():
             loss = fn(*case.inputs)[0]

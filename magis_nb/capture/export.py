@@ -12,12 +12,15 @@ import os
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
+from .batch import CallSpec, split_call
 from .outputs import find_loss, flatten
+from .specialize import is_data_dependent, record_scalars, replay_scalars
+from .upstream import fixed_decompositions
 
 TORCH_DIR = os.path.dirname(torch.__file__)
 PKG_DIR = os.path.dirname(os.path.dirname(__file__))
@@ -45,9 +48,15 @@ class Captured:
     output_roles: list[tuple]
     out_spec: Any = None                    # infer: structure of the model's output
     no_grad_params: list[str] = field(default_factory=list)
-    # Tied weights: aot_export_module gives every name of a shared parameter its
-    # own placeholder; the second name maps to the first (same storage).
+    # Tied weights: every further name of a shared parameter -> its first name. The
+    # graph has one placeholder per distinct tensor (Note [one placeholder per parameter]).
     tied: dict[str, str] = field(default_factory=dict)
+    call: CallSpec | None = None            # how the model is called (tensors are the inputs)
+    # Tensors the export lifted out of forward (``torch.tensor(...)``, masks):
+    # get_attr targets -> values; inputs of the program after the user's.
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Scalars read off tensors, specialized on the example (Note [specialized scalars]).
+    specialized: list = field(default_factory=list)
     seconds: float = 0.0
 
     @property
@@ -56,31 +65,89 @@ class Captured:
 
 
 class _Step(nn.Module):
-    """Wraps the user's model so that the traced function returns a flat tuple."""
+    """Wraps the user's model so that the traced function takes tensors and returns
+    a flat tuple.
 
-    def __init__(self, model: nn.Module, loss_fn: Callable | None, mode: str):
+    Note [one placeholder per parameter]
+    The model is not a submodule: the step registers each *distinct* parameter and
+    buffer once (``p0``, ``b0``, ...) and calls the model through
+    ``functional_call(..., tie_weights=True)``. A weight tied under two names
+    (embeddings and LM head; HF's ``cls.predictions.bias`` and
+    ``cls.predictions.decoder.bias``) is then one graph input with one gradient,
+    summed over its uses, whichever of its names the forward reads. Registering the
+    model itself would give every name its own placeholder, and a name the forward
+    never reads (the HF BERT bias above) fails the export: "Found a parameter that
+    did not receive a gradient".
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: Callable | None, mode: str, call: CallSpec):
         super().__init__()
-        self.model = model
+        object.__setattr__(self, "model", model)
         # Not registered as a submodule: a loss module's buffers are not the model's.
         object.__setattr__(self, "_loss_fn", loss_fn)
         object.__setattr__(self, "_mode", mode)
+        object.__setattr__(self, "call", call)
         object.__setattr__(self, "out_spec", None)
+        self.param_names = [n for n, _ in model.named_parameters()]
+        self.buffer_names = [n for n, _ in model.named_buffers()]
+        for i, (_, p) in enumerate(model.named_parameters()):
+            self.register_parameter(f"p{i}", p)
+        for i, (_, b) in enumerate(model.named_buffers()):
+            self.register_buffer(f"b{i}", b)
 
-    def forward(self, *inputs):
+    def state(self) -> dict[str, torch.Tensor]:
+        """The model's parameters and buffers by their names in the model, as the
+        step currently holds them (reparametrized while the export traces)."""
+        st = {n: getattr(self, f"p{i}") for i, n in enumerate(self.param_names)}
+        st.update({n: getattr(self, f"b{i}") for i, n in enumerate(self.buffer_names)})
+        return st
+
+    def forward(self, *tensors):
+        args, kwargs = self.call.rebuild(tensors)
         if self._mode == "infer":
-            leaves, spec = flatten(self.model(*inputs))
+            out = torch.func.functional_call(self.model, self.state(), args, kwargs,
+                                             tie_weights=True, strict=False)
+            leaves, spec = flatten(out)
             object.__setattr__(self, "out_spec", spec)
             return tuple(leaves)
         if self._loss_fn is not None:
-            loss = self._loss_fn(self.model(*inputs[:-1]), inputs[-1])
+            out = torch.func.functional_call(self.model, self.state(), args[:-1], kwargs,
+                                             tie_weights=True, strict=False)
+            loss = self._loss_fn(out, args[-1])
         else:
-            loss = find_loss(self.model(*inputs))
+            loss = find_loss(torch.func.functional_call(self.model, self.state(), args, kwargs,
+                                                        tie_weights=True, strict=False))
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss)
             raise CaptureError(
                 f"the loss must be a scalar tensor, got {shape}; reduce it "
                 "(e.g. .mean()) in the model or in loss_fn")
         return (loss,)
+
+
+def call_step(model: nn.Module, inputs, loss_fn: Callable | None = None,
+              mode: str = "train"):
+    """The model called as capture calls it: the loss (train) or the output (infer)."""
+    args, kwargs = split_call(inputs)
+    if mode == "infer":
+        return model(*args, **kwargs)
+    if loss_fn is not None:
+        return loss_fn(model(*args[:-1], **kwargs), args[-1])
+    return find_loss(model(*args, **kwargs))
+
+
+class LossModule(nn.Module):
+    """``model`` (a submodule) and ``loss_fn`` as one module whose ``forward(*inputs)``
+    returns ``(loss,)``, the model called as capture calls it: for peers that
+    compile the whole step (``torch.compile(LossModule(model, loss_fn))``)."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable | None = None):
+        super().__init__()
+        self.model = model
+        object.__setattr__(self, "loss_fn", loss_fn)   # a loss module's buffers are not the model's
+
+    def forward(self, *inputs):
+        return (call_step(self.model, inputs, self.loss_fn),)
 
 
 def eager_step(model: nn.Module, inputs, loss_fn: Callable | None = None,
@@ -90,23 +157,28 @@ def eager_step(model: nn.Module, inputs, loss_fn: Callable | None = None,
     Training: forward, loss, ``loss.backward()``; returns the detached loss.
     Inference: returns the model's output.
     """
-    inputs = _check_inputs(inputs)
     if mode == "infer":
         with torch.no_grad():
-            return model(*inputs)
-    loss = _Step(model, loss_fn, "train")(*inputs)[0]
+            return call_step(model, inputs, mode="infer")
+    loss = call_step(model, inputs, loss_fn)
     loss.backward()
     return loss.detach()
 
 
 def _user_frame(exc: BaseException) -> str | None:
-    """The innermost traceback line in user code (not torch, not magis_nb)."""
+    """The innermost traceback line outside torch and magis_nb: the user's code,
+    or the library (``transformers``) the user's model comes from."""
     best = None
-    for fs in traceback.extract_tb(exc.__traceback__):
-        f = os.path.abspath(fs.filename)
-        if f.startswith(TORCH_DIR) or f.startswith(PKG_DIR) or "site-packages" in f:
-            continue
-        best = f"{fs.filename}:{fs.lineno}: {fs.line or ''}".rstrip()
+    tb = exc
+    while tb is not None:               # the chain: the export re-raises fake-tensor errors
+        for fs in traceback.extract_tb(tb.__traceback__):
+            f = os.path.abspath(fs.filename)
+            if f.startswith(TORCH_DIR) or f.startswith(PKG_DIR):
+                continue
+            best = f"{fs.filename}:{fs.lineno}: {fs.line or ''}".rstrip()
+        if best is not None:
+            break
+        tb = tb.__cause__ or tb.__context__
     return best
 
 
@@ -114,11 +186,11 @@ def _explain(exc: BaseException) -> str:
     msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     name = type(exc).__name__
     text = str(exc)
-    if ("data-dependent" in text or "DataDependent" in name or "GuardOnDataDependent" in name
-            or "Could not guard on data-dependent" in text):
+    if is_data_dependent(exc):
         return ("forward() has Python control flow that depends on tensor values "
-                "(an `if`/`while` on a tensor, .item(), .tolist()); make it "
-                f"shape-only or use torch.where ({name}: {msg})")
+                "(an `if`/`while` on a tensor, .item(), .tolist()) that could not be "
+                "specialized on the example inputs; make it shape-only (torch.where) "
+                f"or move it out of forward() ({name}: {msg})")
     if "does not require gradients" in text:
         return ("the loss does not depend on any trainable parameter: nothing to train "
                 "(use mode='infer' for a forward pass)")
@@ -129,37 +201,41 @@ def _explain(exc: BaseException) -> str:
     return f"tracing the model failed ({name}: {msg})"
 
 
-def _check_inputs(inputs: Sequence[Any]) -> tuple:
-    if isinstance(inputs, torch.Tensor):
-        inputs = (inputs,)
-    inputs = tuple(inputs)
-    if not inputs:
-        raise CaptureError("no example inputs given: pass a tensor or a tuple of tensors")
-    for i, x in enumerate(inputs):
-        if not isinstance(x, torch.Tensor):
+def _call_spec(inputs, loss_fn, mode: str) -> tuple[CallSpec, list[torch.Tensor]]:
+    """The call's structure and its tensors; a CaptureError for what can't be a step."""
+    try:
+        args, kwargs = split_call(inputs)
+    except TypeError as e:
+        raise CaptureError(str(e)) from None
+    call = CallSpec.of(args, kwargs)
+    if not call.tensor_at:
+        raise CaptureError("no tensor among the example inputs: pass the tensors the "
+                           "model is called with (a tensor, a tuple, or a dict batch)")
+    if mode == "train" and loss_fn is not None:
+        if not args:
             raise CaptureError(
-                f"example input {i} is a {type(x).__name__}, not a tensor: pass only "
-                "tensors; bind other arguments with functools.partial or store them "
-                "on the module")
-    return inputs
+                "with loss_fn the last positional input is the target: pass "
+                "(inputs..., target); a dict batch is for a model that computes its "
+                "own loss (labels=...), without loss_fn")
+        if len(args) < 2 and not kwargs:
+            raise CaptureError("with loss_fn the last input is the target: pass (inputs..., target)")
+    return call, call.tensors(args, kwargs)
 
 
-def _unused_params(step: _Step, inputs: tuple) -> list[str]:
+def _unused_params(step: _Step, tensors: list) -> list[str]:
     """Names of trainable params that get no gradient, found on FakeTensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=False)
-    named = dict(step.model.named_parameters())
+    named = dict(step.named_parameters())
     with mode:
         fparams = {n: mode.from_tensor(p).requires_grad_(p.requires_grad) for n, p in named.items()}
-        fbufs = {n: mode.from_tensor(b) for n, b in step.model.named_buffers()}
-        finputs = [mode.from_tensor(x) for x in inputs]
-        out = torch.func.functional_call(step, {**{f"model.{k}": v for k, v in fparams.items()},
-                                               **{f"model.{k}": v for k, v in fbufs.items()}},
-                                         tuple(finputs))
+        fbufs = {n: mode.from_tensor(b) for n, b in step.named_buffers()}
+        finputs = [mode.from_tensor(x) for x in tensors]
+        out = torch.func.functional_call(step, {**fparams, **fbufs}, tuple(finputs))
         want = [n for n, p in fparams.items() if p.requires_grad]
         grads = torch.autograd.grad(out[0], [fparams[n] for n in want], allow_unused=True)
-    return [n for n, g in zip(want, grads) if g is None]
+    return [step.param_names[int(n[1:])] for n, g in zip(want, grads) if g is None]
 
 
 @contextlib.contextmanager
@@ -179,9 +255,12 @@ def capture(model: nn.Module, inputs, *, loss_fn: Callable | None = None,
             mode: str = "train") -> Captured:
     """Trace one training step (``mode="train"``) or the forward (``"infer"``).
 
-    Training: the model is called as ``model(*inputs[:-1])`` and the loss is
-    ``loss_fn(output, inputs[-1])``; without ``loss_fn`` the model gets all inputs
-    and must return its own loss (a scalar, ``out["loss"]``, ``out.loss`` or ``out[0]``).
+    ``inputs``: a tensor, a tuple of the model's positional arguments, or a dict of
+    its keyword arguments (an HF batch); non-tensor arguments are bound into the
+    program as constants. Training: with ``loss_fn`` the last positional input is
+    the target, the model gets the others and the loss is ``loss_fn(output,
+    target)``; without it the model gets every input and must return its own loss
+    (a scalar, ``out["loss"]``, ``out.loss`` or ``out[0]``).
     """
     from torch._functorch.aot_autograd import aot_export_module
 
@@ -189,42 +268,59 @@ def capture(model: nn.Module, inputs, *, loss_fn: Callable | None = None,
         raise CaptureError(f"mode must be 'train' or 'infer', got {mode!r}")
     if not isinstance(model, nn.Module):
         raise CaptureError(f"expected an nn.Module, got {type(model).__name__}")
-    inputs = _check_inputs(inputs)
-    if mode == "train" and loss_fn is not None and len(inputs) < 2:
-        raise CaptureError("with loss_fn the last input is the target: pass (inputs..., target)")
-    step = _Step(model, loss_fn, mode)
+    call, tensors = _call_spec(inputs, loss_fn, mode)
+    step = _Step(model, loss_fn, mode, call)
     t0 = time.perf_counter()
     no_grad: list[str] = []
+    scalars: list | None = None
+
+    def replaying():
+        return replay_scalars(scalars) if scalars is not None else contextlib.nullcontext()
 
     def export():
-        if mode == "infer":
-            with torch.no_grad():
-                return aot_export_module(step, list(inputs), trace_joint=False)
-        return aot_export_module(step, list(inputs), trace_joint=True, output_loss_index=0)
+        with replaying(), _tracing_flag(), fixed_decompositions():
+            if mode == "infer":
+                with torch.no_grad():
+                    return aot_export_module(step, list(tensors), trace_joint=False)
+            return aot_export_module(step, list(tensors), trace_joint=True, output_loss_index=0)
 
     # fake_tensor logs every failed meta kernel at ERROR; the CaptureError says it once.
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
     old_level = fake_log.level
     fake_log.setLevel(logging.CRITICAL)
+    frozen = contextlib.ExitStack()     # unused parameters, frozen while the export retries
     try:
-        try:
-            gm, sig = export()
-        except AssertionError as e:
-            if "did not receive a gradient" not in str(e):
-                raise
-            no_grad = _unused_params(step, inputs)
-            with _frozen(model, no_grad):
+        # At most two retries: once with the parameters that get no gradient frozen,
+        # once specialized on the example's values (Note [specialized scalars]).
+        for _ in range(3):
+            try:
                 gm, sig = export()
+                break
+            except AssertionError as e:
+                if "did not receive a gradient" not in str(e) or no_grad:
+                    raise
+                with replaying():
+                    no_grad = _unused_params(step, tensors)
+                if not no_grad:
+                    raise
+                frozen.enter_context(_frozen(model, no_grad))
+            except Exception as e:  # noqa: BLE001 - data-dependent: see specialize.py
+                if not is_data_dependent(e) or scalars is not None or _on_meta(tensors, model):
+                    raise
+                scalars = record_scalars(lambda: call_step(model, inputs, loss_fn, mode),
+                                         model, grad=mode == "train")
+                if not scalars:
+                    raise
     except CaptureError:
         raise
     except Exception as e:  # noqa: BLE001 - every trace failure becomes a CaptureError
         raise CaptureError(_explain(e), _user_frame(e)) from e
     finally:
         fake_log.setLevel(old_level)
+        frozen.close()
 
-    strip = len("model.")
-    param_names = [n[strip:] for n in sig.parameters]
-    buffer_names = [n[strip:] for n in sig.buffers]
+    param_names = [step.param_names[int(n[1:])] for n in sig.parameters]
+    buffer_names = [step.buffer_names[int(n[1:])] for n in sig.buffers]
     out_names = [a.name for a in gm.graph.output_node().args[0]]
     # aot_export_module orders outputs: buffer mutations, user outputs, gradients.
     n_mut, n_user = len(sig.buffers_to_mutate), len(sig.user_outputs)
@@ -232,23 +328,54 @@ def capture(model: nn.Module, inputs, *, loss_fn: Callable | None = None,
     roles: list[tuple] = []
     for i, name in enumerate(out_names):
         if i < n_mut:
-            roles.append(("buffer", sig.buffers_to_mutate[name][strip:]))
+            roles.append(("buffer", step.buffer_names[int(sig.buffers_to_mutate[name][1:])]))
         elif i < n_mut + n_user:
             roles.append(("loss",) if mode == "train" else ("output", i - n_mut))
         else:
-            roles.append(("grad", grads[name][strip:]))
+            roles.append(("grad", step.param_names[int(grads[name][1:])]))
+    return Captured(
+        gm=gm, tied=_tied_names(model), mode=mode, param_names=param_names,
+        buffer_names=buffer_names, call=call,
+        input_meta=[(tuple(x.shape), x.dtype) for x in tensors], output_roles=roles,
+        out_spec=step.out_spec, no_grad_params=no_grad,
+        constants={n.target: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"},
+        specialized=list(scalars or []), seconds=time.perf_counter() - t0)
+
+
+@contextlib.contextmanager
+def _tracing_flag():
+    """``torch.compiler.is_compiling()`` is true while the export traces, as under
+    ``torch.export``: model code then takes its traceable path. transformers skips
+    its lru caches of index tensors there (BEiT's relative positions: a cached
+    tensor made by one trace is a stale FakeTensor in the next, "Unexpected fake
+    buffer") and its value-dependent mask shortcuts."""
+    import torch.compiler as tc
+
+    old = getattr(tc, "_is_compiling_flag", None)
+    if old is None:
+        yield
+        return
+    tc._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        tc._is_compiling_flag = old
+
+
+def _on_meta(tensors, model) -> bool:
+    """A paper-size capture on the meta device has no values to specialize on."""
+    return any(t.device.type == "meta" for t in tensors) or any(
+        p.device.type == "meta" for p in model.parameters())
+
+
+def _tied_names(model: nn.Module) -> dict[str, str]:
+    """Every second name of a parameter or buffer -> its first name."""
     first: dict[int, str] = {}
     tied: dict[str, str] = {}
-    named = dict(model.named_parameters(remove_duplicate=False))
-    named.update(dict(model.named_buffers(remove_duplicate=False)))
-    for n in param_names + buffer_names:
-        key = id(named[n]) if n in named else None
-        if key in first:
-            tied[n] = first[key]
-        elif key is not None:
-            first[key] = n
-    return Captured(
-        gm=gm, tied=tied, mode=mode, param_names=param_names, buffer_names=buffer_names,
-        input_meta=[(tuple(x.shape), x.dtype) for x in inputs], output_roles=roles,
-        out_spec=step.out_spec, no_grad_params=no_grad,
-        seconds=time.perf_counter() - t0)
+    for n, t in list(model.named_parameters(remove_duplicate=False)) + list(
+            model.named_buffers(remove_duplicate=False)):
+        if id(t) in first:
+            tied[n] = first[id(t)]
+        else:
+            first[id(t)] = n
+    return tied

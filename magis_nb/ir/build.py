@@ -8,7 +8,8 @@ import re
 import torch
 import torch.fx as fx
 
-from ..capture.export import Captured
+from ..capture.export import CaptureError, Captured
+from ..capture.specialize import EXPECT, SCALAR_OPS
 from .graph import Graph, Node, Ref, TensorInfo, iter_refs
 
 # _unsafe_view returns a tensor sharing its input's storage but has no alias
@@ -31,6 +32,20 @@ def _storage_bytes(val: torch.Tensor) -> int:
         return val.numel() * val.element_size()
 
 
+def _kernel_bytes(fn: fx.Node, val: torch.Tensor) -> int:
+    """The storage the kernel really allocates for ``val``, where it is more than
+    the result's: CPU ``mse_loss`` with a reduction computes the unreduced loss and
+    returns the reduced scalar as a view of that buffer (measured: 4096 bytes for
+    a 4-byte loss over 1024 elements)."""
+    nbytes = _storage_bytes(val)
+    if fn.target is torch.ops.aten.mse_loss.default and val.device.type == "cpu":
+        red = fn.args[2] if len(fn.args) > 2 else fn.kwargs.get("reduction", 1)
+        x = fn.args[0].meta.get("val")
+        if red != 0 and isinstance(x, torch.Tensor):
+            nbytes = max(nbytes, x.numel() * x.element_size())
+    return nbytes
+
+
 def _alias_arg(target, out_index: int) -> int | None:
     """Which positional argument output ``out_index`` of ``target`` aliases."""
     if op_name(target) in _UNANNOTATED_VIEWS:
@@ -43,6 +58,11 @@ def _alias_arg(target, out_index: int) -> int | None:
     if ret.alias_info is None:
         return None
     sets = ret.alias_info.before_set
+    if not sets:
+        # ``Tensor(a)[]`` (split, unbind, chunk): the alias set sits on the list's
+        # elements, out of the binding's reach; the views share the aliased input's
+        # storage (counting them as new storages overstated attention peaks by 10%)
+        return next((i for i, a in enumerate(schema.arguments) if a.alias_info is not None), None)
     for i, a in enumerate(schema.arguments):
         if a.alias_info is not None and a.alias_info.before_set & sets:
             return i
@@ -61,9 +81,20 @@ def _ident(name: str, taken: set[str]) -> str:
     return s
 
 
-def _is_rng(target) -> bool:
+def _is_rng(target, args=(), kwargs=None) -> bool:
+    """Draws from the RNG. Fused attention is tagged as seeded because it can
+    drop out; with ``dropout_p == 0`` it draws nothing (and may be split and
+    recomputed like any other op)."""
     tags = getattr(target, "tags", ())
-    return torch.Tag.nondeterministic_seeded in tags
+    if torch.Tag.nondeterministic_seeded not in tags:
+        return False
+    schema = getattr(target, "_schema", None)
+    if schema is not None and "scaled_dot_product" in schema.name:
+        for i, a in enumerate(schema.arguments):
+            if a.name == "dropout_p":
+                p = args[i] if i < len(args) else (kwargs or {}).get("dropout_p", a.default_value)
+                return bool(p)
+    return True
 
 
 def build_graph(cap: Captured) -> Graph:
@@ -91,6 +122,19 @@ def build_graph(cap: Captured) -> Graph:
         by_name[role[1]] = Ref(len(nodes), 0)
         nodes.append(node)
         ref_of[ph] = Ref(node.id, 0)
+    # Lifted tensor constants come after the user's inputs: the module passes them
+    # there (``Captured.constants``, in graph order).
+    for fn in g.nodes:
+        if fn.op != "get_attr":
+            continue
+        val = getattr(cap.gm, fn.target)
+        node = Node(id=len(nodes), name=_ident("c" + fn.target, taken), kind="input",
+                    target="input", outputs=[TensorInfo(tuple(val.shape), val.dtype,
+                                                        _storage_bytes(val))],
+                    category="buffer", role=("const", fn.target))
+        nodes.append(node)
+        ref_of[fn] = Ref(node.id, 0)
+    scalars = iter(cap.specialized)
 
     def conv(a):
         if isinstance(a, fx.Node):
@@ -112,9 +156,17 @@ def build_graph(cap: Captured) -> Graph:
             ref_of[fn] = ref_of[src][idx]
             continue
         args, kwargs = conv(tuple(fn.args)), conv(dict(fn.kwargs))
+        target = fn.target
+        if target in SCALAR_OPS:
+            # a value the capture specialized on: the program checks it again
+            value, where = next(scalars, (None, None))
+            if where is None:
+                raise CaptureError(f"{fn.name}: a value read off a tensor that the capture "
+                                   "did not record (Note [specialized scalars])")
+            target, args, kwargs = EXPECT, (args[0], value, where), {}
         val = fn.meta.get("val")
         multi = isinstance(val, (tuple, list))
-        vals = list(val) if multi else [val]
+        vals = [] if target is EXPECT else list(val) if multi else [val]
         outs: list[TensorInfo | None] = []
         nid = len(nodes)
         for i, v in enumerate(vals):
@@ -127,11 +179,11 @@ def build_graph(cap: Captured) -> Graph:
                 src = args[ai] if ai < len(args) else None
                 alias = src if isinstance(src, Ref) else None
             outs.append(TensorInfo(tuple(v.shape), v.dtype,
-                                   0 if alias is not None else _storage_bytes(v), alias,
+                                   0 if alias is not None else _kernel_bytes(fn, v), alias,
                                    tuple(v.stride()), v.device.type))
-        node = Node(id=nid, name=_ident(fn.name, taken), kind="op", target=op_name(fn.target),
-                    op=fn.target, args=args, kwargs=kwargs, outputs=outs,
-                    rng=_is_rng(fn.target), multi=multi)
+        node = Node(id=nid, name=_ident(fn.name, taken), kind="op", target=op_name(target),
+                    op=target, args=args, kwargs=kwargs, outputs=outs,
+                    rng=_is_rng(target, args, kwargs), multi=multi)
         nodes.append(node)
         ref_of[fn] = tuple(Ref(nid, i) for i in range(len(outs))) if multi else Ref(nid, 0)
 

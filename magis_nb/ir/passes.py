@@ -12,6 +12,17 @@ and the memory is the same: one bool mask and one output. CUDA's native_dropout 
 a fused kernel with its own random stream, so there the op is left whole (a
 barrier for fission) rather than draw other masks than eager.
 
+Note [low-precision dropout]
+Eager's CPU ``F.dropout`` is not ``native_dropout`` but ATen's ``_dropout``: a
+noise tensor in x's dtype, ``empty_like(x).bernoulli_(1 - p)``, divided in place
+by ``1 - p`` and multiplied into x; the backward multiplies the gradient by the
+same noise. In fp32 the bool-mask form above gives the same numbers; in bf16/fp16
+it does not (the noise is drawn in another dtype and the scale 1/(1-p) is rounded
+to bf16 in eager): under bf16 autocast, GPT-2's gradients were 1.1% of their max
+off eager's (eager's own fp32-vs-bf16 spread: 0.9%). Low-precision dropouts are
+therefore emitted op for op as eager runs them (bit-identical), and their
+``native_dropout_backward`` as ``grad * noise``.
+
 Note [a mean loss as a sum over the batch]
 A mean NLL loss divides by the total weight of the whole batch, so no part of a
 split batch can compute its share, and the backward's seed ``ones_like(loss)``
@@ -88,11 +99,13 @@ class Rewriter:
         return Graph(self.nodes, [self.fix(r) for r in self.g.outputs], self.g.output_roles)
 
 
-def _dropout_rule(rw: Rewriter, n: Node) -> bool:
+def _dropout_rule(rw: Rewriter, n: Node, low_noise: set[Ref]) -> bool:
     if n.target != "aten.native_dropout.default" or not _train(n):
         return False
     if (n.outputs[0].device or "cpu") not in ("cpu", "meta"):
         return False  # CUDA's fused dropout kernel draws differently: keep it whole
+    if n.outputs[0].dtype not in (torch.float32, torch.float64):
+        return _low_precision_dropout(rw, n, low_noise)
     x = rw.fix(n.args[0])
     p = float(n.args[1])
     out_t, mask_t = n.outputs
@@ -122,10 +135,47 @@ def _dropout_rule(rw: Rewriter, n: Node) -> bool:
     return True
 
 
+def _low_precision_dropout(rw: Rewriter, n: Node, low_noise: set[Ref]) -> bool:
+    """See Note [low-precision dropout]: eager's CPU dropout, op for op."""
+    x, p = rw.fix(n.args[0]), float(n.args[1])
+    out_t, mask_t = n.outputs
+    xt = TensorInfo(out_t.shape, out_t.dtype, out_t.nbytes)
+    empty = rw.add(n.name + "_noise", "aten.empty_like.default", aten.empty_like.default, (x,),
+                   {}, [xt], n.category)
+    draw = rw.add(n.name + "_draw", "aten.bernoulli_.float", aten.bernoulli_.float,
+                  (Ref(empty, 0), 1.0 - p), {},
+                  [TensorInfo(out_t.shape, out_t.dtype, 0, Ref(empty, 0))], n.category, rng=True)
+    noise = Ref(draw, 0)
+    if p != 1.0:
+        noise = Ref(rw.add(n.name + "_scaled", "aten.div.Scalar", aten.div.Scalar,
+                           (noise, 1.0 - p), {}, [xt], n.category), 0)
+    apply = rw.add(n.name, "aten.mul.Tensor", aten.mul.Tensor, (x, noise), {}, [xt],
+                   n.category, keep_name=True)
+    rw.remap[Ref(n.id, 0)] = Ref(apply, 0)
+    rw.remap[Ref(n.id, 1)] = noise
+    low_noise.add(noise)
+    return True
+
+
+def _low_precision_dropout_backward(rw: Rewriter, n: Node, low_noise: set[Ref]) -> bool:
+    """The backward of `_low_precision_dropout`'s ``x * noise``: ``grad * noise``."""
+    if n.target != "aten.native_dropout_backward.default" or not low_noise:
+        return False
+    noise = rw.fix(n.args[1])
+    if noise not in low_noise:
+        return False
+    nid = rw.add(n.name, "aten.mul.Tensor", aten.mul.Tensor, (rw.fix(n.args[0]), noise), {},
+                 [n.outputs[0]], n.category, keep_name=True)
+    rw.remap[Ref(n.id, 0)] = Ref(nid, 0)
+    return True
+
+
 def decompose_dropout(g: Graph) -> Graph:
     if not any(n.target == "aten.native_dropout.default" and _train(n) for n in g.nodes):
         return g
-    return Rewriter(g).run(_dropout_rule)
+    noise: set[Ref] = set()       # the scaled noise of each low-precision dropout
+    return Rewriter(g).run(lambda rw, n: _dropout_rule(rw, n, noise)
+                           or _low_precision_dropout_backward(rw, n, noise))
 
 
 _NLL = ("aten.nll_loss_forward.default", "aten.nll_loss2d_forward.default")

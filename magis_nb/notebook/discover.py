@@ -4,9 +4,10 @@ Rules (flags override each one):
 - model: an `nn.Module` with parameters that the cell bound; modules nested in
   another candidate are parts of it, not candidates. If the cell bound none, any
   such module in the namespace. Several -> ask for ``--model``.
-- inputs: tensors the cell bound. Names matching ``forward``'s parameters win;
-  otherwise the tensors in the order the cell bound them, if their number fits
-  ``forward`` (plus the target when there is a loss).
+- inputs: a dict batch the cell bound (one, and no loss: ``model(**batch)``
+  computes its own, HF style); else tensors the cell bound. Names matching
+  ``forward``'s parameters win; otherwise the tensors in the order the cell bound
+  them, if their number fits ``forward`` (plus the target when there is a loss).
 - loss: a loss module (``nn.CrossEntropyLoss()``...) or a callable named
   ``loss_fn``/``criterion`` that the cell bound. None: the model returns its loss.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +32,7 @@ class Found:
     model_name: str
     model: nn.Module
     input_names: list[str]
-    inputs: tuple
+    inputs: tuple | Mapping         # positional inputs, or a dict batch (keyword arguments)
     loss_name: str | None
     loss_fn: Any
 
@@ -167,10 +169,18 @@ def _forward_arity(model: nn.Module) -> tuple[list[str], int, float]:
     return names, required, most
 
 
-def _expand(names: list[str], ns: dict, flag: str) -> tuple[list[str], tuple]:
+def _is_batch(obj) -> bool:
+    """A dict batch (``model(**batch)``): string keys, some tensor values."""
+    return (isinstance(obj, Mapping) and bool(obj) and all(isinstance(k, str) for k in obj)
+            and any(isinstance(v, torch.Tensor) for v in obj.values()))
+
+
+def _expand(names: list[str], ns: dict, flag: str) -> tuple[list[str], tuple | Mapping]:
     values = [_get(ns, flag, n) for n in names]
     if len(values) == 1 and isinstance(values[0], (tuple, list)):
         return names, tuple(values[0])          # --inputs batch, where batch = (x, y)
+    if len(values) == 1 and _is_batch(values[0]):
+        return names, values[0]                 # --inputs batch, where batch = {"input_ids": ...}
     return names, tuple(values)
 
 
@@ -178,6 +188,11 @@ def find_inputs(ns: dict, bound: list[str], names: list[str] | None, model: nn.M
                 model_name: str, has_loss: bool, mode: str) -> tuple[list[str], tuple]:
     if names is not None:
         return _expand(names, ns, "--inputs")
+    # A model that computes its own loss from a dict batch (HF: labels=...): the
+    # one batch the cell bound is the call, model(**batch).
+    batches = [n for n in bound if n in ns and _is_batch(ns[n])]
+    if len(batches) == 1 and not (has_loss and mode == "train"):
+        return batches, ns[batches[0]]
     tensors = [n for n in bound if n in ns and isinstance(ns[n], torch.Tensor)]
     params, required, most = _forward_arity(model)
     extra = 1 if (has_loss and mode == "train") else 0   # the target for loss_fn

@@ -14,9 +14,10 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_leaves
 
 from ..bench.timing import clear_grads, time_steps
-from ..capture import eager_step
+from ..capture import eager_step, split_call
 
 
 class _Snapshot:
@@ -43,8 +44,8 @@ class _Snapshot:
 def plan_timer(model: nn.Module, inputs, loss_fn: Callable | None, mode: str,
                reps: int = 7) -> Callable[[nn.Module], float]:
     """``measure(module) -> time ratio`` of the module's step to eager PyTorch's."""
-    inputs = tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)
-    cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs)
+    args, kwargs = split_call(inputs)
+    cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in tree_leaves(inputs))
     eager = copy.deepcopy(model)
 
     def sync():
@@ -52,7 +53,7 @@ def plan_timer(model: nn.Module, inputs, loss_fn: Callable | None, mode: str,
             torch.cuda.synchronize()
 
     def step(mod):
-        mod(*inputs)
+        mod(*args, **kwargs)
         sync()
 
     def ref():

@@ -89,8 +89,10 @@ def measure_cuda(fn: Callable[[], object], device=None) -> Measurement:
     return Measurement(torch.cuda.max_memory_allocated(device), base, result)
 
 
-def model_baseline(model: torch.nn.Module, inputs: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors a training step finds alive: parameters, grads, buffers, inputs."""
-    ts = list(model.parameters()) + list(model.buffers()) + list(inputs)
+def model_baseline(model: torch.nn.Module, inputs) -> list[torch.Tensor]:
+    """The tensors a training step finds alive: parameters, grads, buffers, inputs
+    (the tensors anywhere in ``inputs``: a tuple, a dict batch)."""
+    ts = list(model.parameters()) + list(model.buffers())
+    ts += [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
     ts += [p.grad for p in model.parameters() if p.grad is not None]
     return ts

@@ -1,6 +1,7 @@
 """OptimizedModule: the user's parameters + a generated program that runs a step."""
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import torch
@@ -11,7 +12,7 @@ from ..capture.outputs import unflatten
 from ..ir.graph import Graph
 from ..rules.swap import pool_inputs, swap_ops
 from .codegen import compile_source, generate
-from .copies import copies_for
+from .copies import copies_for, host_buffer
 
 
 class OptimizedModule(nn.Module):
@@ -41,6 +42,9 @@ class OptimizedModule(nn.Module):
         self._param_names = list(cap.param_names)
         self._buffer_names = list(cap.buffer_names)
         self._input_meta = list(cap.input_meta)
+        self._call = cap.call
+        self._consts = list(cap.constants.values())
+        self._consts_on: dict = {}      # device -> the lifted constants there
         self._roles = list(cap.output_roles)
         self._out_spec = cap.out_spec
         # A gradient that shares storage with an input must not become p.grad
@@ -48,9 +52,11 @@ class OptimizedModule(nn.Module):
         input_ids = {n.id for n in graph.inputs}
         self._clone_out = [graph.storage_of(r).node in input_ids for r in graph.outputs]
         # Host buffers for swapped tensors: allocated once per plan, reused on every
-        # call (pinned when a GPU could copy from them asynchronously).
+        # call (pinned when a GPU could copy from them asynchronously), with the
+        # strides of the tensors they hold: views of a loaded copy were traced
+        # against those (DESIGN.md §11 "Layout is semantics").
         pin = torch.cuda.is_available()
-        self._pools = [torch.empty(n.outputs[0].shape, dtype=n.outputs[0].dtype, pin_memory=pin)
+        self._pools = [host_buffer(n.outputs[0].shape, n.outputs[0].stride, n.outputs[0].dtype, pin)
                        for n in pool_inputs(graph)]
         stores, loads = swap_ops(graph)
         self._n_loads = len(loads) if stores else 0
@@ -77,30 +83,55 @@ class OptimizedModule(nn.Module):
             raise RuntimeError("no timed step ran: set timed_copies = True and run a step first")
         return io.stats()
 
-    def _check(self, inputs: tuple) -> None:
+    def _tensors(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        """The call's tensors, in the order the program takes them."""
+        if self._call is not None:
+            return self._call.tensors(args, kwargs)
+        if kwargs:
+            raise TypeError("this module takes positional inputs only")
+        return list(args)
+
+    def resident(self) -> list[torch.Tensor]:
+        """Tensors the module itself keeps between steps on the compute device (the
+        lifted constants): with the model's weights, the memory a step starts from."""
+        return [c for cs in self._consts_on.values() for c in cs] or list(self._consts)
+
+    def _constants(self, dev: torch.device) -> list[torch.Tensor]:
+        if dev not in self._consts_on:
+            self._consts_on[dev] = [c.to(dev) for c in self._consts]
+        return self._consts_on[dev]
+
+    def _check(self, inputs) -> None:
         if len(inputs) != len(self._input_meta):
             raise TypeError(f"this module was planned for {len(self._input_meta)} inputs, "
                             f"got {len(inputs)}")
-        for i, (x, (shape, dtype)) in enumerate(zip(inputs, self._input_meta)):
+        names = self._call.names() if self._call is not None else range(len(inputs))
+        for name, x, (shape, dtype) in zip(names, inputs, self._input_meta):
             if not isinstance(x, torch.Tensor):
-                raise TypeError(f"input {i} must be a tensor, got {type(x).__name__}")
+                raise TypeError(f"input {name} must be a tensor, got {type(x).__name__}")
             if tuple(x.shape) != shape or x.dtype != dtype:
                 raise ValueError(
-                    f"input {i} has shape {tuple(x.shape)} ({x.dtype}) but this module "
+                    f"input {name} has shape {tuple(x.shape)} ({x.dtype}) but this module "
                     f"was planned for {shape} ({dtype}); shapes are specialized: "
                     "optimize again with example inputs of the new shape")
 
-    def forward(self, *inputs):
+    def forward(self, *args, **kwargs):
+        inputs = self._tensors(args, kwargs)
         self._check(inputs)
         # Keep duplicates: a tied weight is a graph input under each of its names.
         params = dict(self.model.named_parameters(remove_duplicate=False))
         buffers = dict(self.model.named_buffers(remove_duplicate=False))
         args = [params[n] for n in self._param_names]
         args += [buffers[n] for n in self._buffer_names]
-        args += list(inputs)
-        args += self._pools
         dev = inputs[0].device
-        with torch.no_grad():
+        args += list(inputs)
+        args += self._constants(dev)
+        args += self._pools
+        # The capture recorded autocast's casts as ops of the program: run it as
+        # recorded, not autocast a second time (a user's `with torch.autocast`).
+        amp = torch.autocast(dev.type, enabled=False) if dev.type in ("cpu", "cuda") \
+            else contextlib.nullcontext()
+        with torch.no_grad(), amp:
             if self._swaps:
                 self._last_dev = dev
                 outs = self._fn(dev, *args, _io=self._io(dev))

@@ -1,0 +1,149 @@
+"""Specializing a forward's data-dependent scalars on the example inputs.
+
+Note [specialized scalars]
+Models branch on tensor values: HF's causal-mask helpers skip the mask when
+``padding_mask.all()``, others read ``.item()`` for a loop bound. FakeTensors
+have no values, so the export fails with a data-dependent error. Since a plan is
+specialized on the example's shapes anyway, we specialize on its values too, as
+``torch.export`` does for a concrete example: one eager forward (no backward,
+model and RNG state put back) records every ``aten._local_scalar_dense`` result
+in call order, and the export replays them in the same order (every trace of
+the forward makes the same calls, since it takes the same branches). The
+captured graph keeps each ``_local_scalar_dense`` node with the value it had;
+the generated program re-reads the value and raises if it differs
+(`runtime.codegen`), so a batch that would take another branch is refused,
+never computed along the wrong one.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import os
+import traceback
+from typing import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+SCALAR_OPS = (aten._local_scalar_dense.default, aten.item.default)
+
+
+class SpecializationError(ValueError):
+    """A batch would take another branch than the example the plan was made for."""
+
+
+# The program's guard: the value a specialized scalar must have again.
+_lib = torch.library.Library("magis_nb", "FRAGMENT")
+_lib.define("expect_scalar(Tensor x, Scalar expected, str where) -> ()")
+
+
+def _expect(x, expected, where):
+    got = x.item()
+    if got != expected:
+        raise SpecializationError(
+            f"this plan was made for inputs where {where} read {expected!r}; these inputs "
+            f"give {got!r} (a different branch of forward()): optimize again with "
+            "example inputs like these (Note [specialized scalars])")
+
+
+def _expect_meta(x, expected, where):
+    return None
+
+
+_lib.impl("expect_scalar", _expect, "CompositeExplicitAutograd")
+_lib.impl("expect_scalar", _expect_meta, "Meta")
+EXPECT = torch.ops.magis_nb.expect_scalar.default
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_PKG_DIR = os.path.dirname(os.path.dirname(__file__))
+
+
+def _caller() -> str:
+    """The innermost frame outside torch and magis_nb: the line that read the value."""
+    for fs in reversed(traceback.extract_stack()):
+        f = os.path.abspath(fs.filename)
+        if not (f.startswith(_TORCH_DIR) or f.startswith(_PKG_DIR)):
+            return f"{os.path.basename(fs.filename)}:{fs.lineno} ({(fs.line or '').strip()})"
+    return "forward()"
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.values: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in SCALAR_OPS:
+            self.values.append((out, _caller()))
+        return out
+
+
+def record_scalars(run: Callable[[], object], model: torch.nn.Module, grad: bool) -> list:
+    """The scalars ``run()`` (one eager forward) reads off tensors, in order, each
+    with the source line that read it.
+
+    The model's buffers (BatchNorm running statistics) and the global RNG come
+    back as they were: recording must not change the user's training. ``grad``:
+    run with autograd on, as the export of a training step does (a forward may
+    branch on ``torch.is_grad_enabled()``)."""
+    saved = {k: b.detach().clone() for k, b in model.named_buffers()}
+    rec = _Recorder()
+    try:
+        with torch.random.fork_rng(devices=[]), torch.set_grad_enabled(grad), rec:
+            run()
+    finally:
+        with torch.no_grad():
+            for k, b in model.named_buffers():
+                b.copy_(saved[k])
+    return rec.values
+
+
+@contextlib.contextmanager
+def replay_scalars(values: list):
+    """While active, FakeTensors answer ``_local_scalar_dense`` with ``values``,
+    cyclically (the export traces the forward more than once)."""
+    from torch._subclasses import fake_impls
+
+    table = fake_impls.op_implementations_dict
+    old = {op: table.get(op) for op in SCALAR_OPS}
+    pos = [0]
+
+    def impl(fake_mode, func, arg):
+        if not values:
+            raise RuntimeError("no recorded value to specialize on")
+        v = values[pos[0] % len(values)][0]
+        pos[0] += 1
+        return v
+
+    # Kept through the export's dead-code elimination: the program re-checks them.
+    impure = torch.fx.node._side_effectful_functions
+    added = [op for op in SCALAR_OPS if op not in impure]
+    # The joint is re-traced by running the first graph on the example's real
+    # tensors; there the value can be read for real instead of refused.
+    aot = importlib.import_module("torch._functorch.aot_autograd")
+    make_fx = getattr(aot, "make_fx", None)
+    try:
+        for op in SCALAR_OPS:
+            table[op] = impl
+        impure.update(added)
+        if make_fx is not None:
+            aot.make_fx = functools.partial(make_fx, _error_on_data_dependent_ops=False)
+        yield
+    finally:
+        if make_fx is not None:
+            aot.make_fx = make_fx
+        impure.difference_update(added)
+        for op, fn in old.items():
+            if fn is None:
+                table.pop(op, None)
+            else:
+                table[op] = fn
+
+
+def is_data_dependent(exc: BaseException) -> bool:
+    text, name = str(exc), type(exc).__name__
+    return ("data-dependent" in text or "DataDependent" in name
+            or "GuardOnDataDependent" in name or "Could not guard on data-dependent" in text)

@@ -1,0 +1,75 @@
+"""bf16 autocast steps: the captured program runs eager's ops in eager's dtypes."""
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import magis_nb
+from magis_nb.program import trace
+
+
+class Block(nn.Module):
+    """Linear layers autocast to bf16 with dropout on their bf16 outputs, a
+    LayerNorm autocast keeps in fp32."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, x):
+        h = x + self.drop(self.down(F.gelu(self.up(self.ln(x)))))
+        return self.head(self.drop(h))
+
+
+def _step(model, x, y, amp, seed=1):
+    m = copy.deepcopy(model)
+    torch.manual_seed(seed)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        loss = F.cross_entropy(m(x), y)
+    loss.backward()
+    return loss.detach().float(), {n: p.grad.float() for n, p in m.named_parameters()}
+
+
+def _rel(a, b):
+    return max(((a[k] - b[k]).abs().max() / b[k].abs().max()).item() for k in b)
+
+
+def test_captured_bf16_step_is_bit_identical_to_eager():
+    torch.manual_seed(0)
+    model, x, y = Block(), torch.randn(16, 32), torch.randint(0, 10, (16,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        prog = trace(model, (x, y), loss_fn=F.cross_entropy)
+    assert any(t is not None and t.dtype == torch.bfloat16 for n in prog.graph.ops for t in n.outputs)
+    want_loss, want = _step(model, x, y, amp=True)
+    m = copy.deepcopy(model)
+    mod = prog.module()
+    mod.model = m
+    torch.manual_seed(1)
+    loss = mod(x, y)
+    got = {n: p.grad.float() for n, p in m.named_parameters()}
+    assert torch.equal(loss.float(), want_loss)
+    assert _rel(got, want) == 0.0
+
+
+def test_optimized_bf16_plans_within_eager_own_spread():
+    torch.manual_seed(0)
+    model, x, y = Block(64), torch.randn(64, 64), torch.randint(0, 10, (64,))
+    _, g32 = _step(model, x, y, amp=False)
+    _, g16 = _step(model, x, y, amp=True)
+    spread = _rel(g16, g32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        res = magis_nb.optimize(model, (x, y), loss_fn=F.cross_entropy, mem_budget=0.6,
+                                time_budget=5, max_states=30)
+    assert res.verified and not res.failed
+    for plan in res.pareto[:3]:
+        m = copy.deepcopy(model)
+        mod = res.module_for(plan)
+        mod.model = m
+        torch.manual_seed(1)
+        mod(x, y)
+        got = {n: p.grad.float() for n, p in m.named_parameters()}
+        assert _rel(got, g16) <= spread, plan
