@@ -6,8 +6,10 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_leaves
 
 from ..analysis.ftrans import divisors
+from ..capture import CaptureError
 from ..program import trace
 from ..runtime import OptimizedModule
 from ..simulate.cost import make_cost
@@ -15,6 +17,7 @@ from ..simulate.memory import simulate_memory
 from ..simulate.profiles import profile_names
 from .algorithm import Objective, _pareto_add, search
 from .result import OptimizeResult, Plan, Progress, Region, Timeline
+from .safety import PlanError, SafetyNet
 from .space import Space, State
 from .transfers import swap_ops
 
@@ -26,7 +29,8 @@ def _cost_model(device_profile, inputs):
     """(cost model, copies overlap compute, label). None: measured on the inputs'
     device; a name or spec for `make_cost`; or a cost model object."""
     if device_profile is None:
-        dev = next((x.device for x in inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
+        dev = next((x.device for x in tree_leaves(inputs) if isinstance(x, torch.Tensor)),
+                   torch.device("cpu"))
         device_profile = "measured:cuda" if dev.type == "cuda" else "measured"
     try:
         cost = make_cost(device_profile)
@@ -49,8 +53,10 @@ def _parse_mem(budget, before_peak: int) -> tuple[float, float]:
 class _Builder:
     """What the result needs from the search: modules, timelines, re-selection."""
 
-    def __init__(self, model: nn.Module, space: Space, before: State, profile: str):
+    def __init__(self, model: nn.Module, space: Space, before: State, profile: str,
+                 safety: SafetyNet | None = None):
         self.model, self.space, self.before, self.profile = model, space, before, profile
+        self.safety = safety
 
     def plan_of(self, st: State) -> Plan:
         sp = self.space
@@ -126,6 +132,45 @@ class _Builder:
         return Timeline(cats, host, tl.peak, tl.peak_steps[0] if tl.peak_steps else 0, regions)
 
     def select(self, res: OptimizeResult, mem_budget=None, lat_budget=None) -> Plan:
+        """`choose` a plan for the budget; with a safety net, only one that passed
+        its check against eager (Note in `search.safety`): a plan that fails is
+        dropped from the front and recorded in ``res.failed``, and the choice is
+        made again."""
+        while True:
+            plan = self.choose(res, mem_budget, lat_budget)
+            if self.safety is None:
+                return plan
+            fail = self.safety.check(id(plan.state), plan.applied, res.module_for(plan))
+            if fail is None:
+                break
+            res.failed.append(fail)
+            res.drop_module(plan)
+            res.pareto = [p for p in res.pareto if p is not plan]
+            if plan.state is res.before.state or not res.pareto:
+                if plan.state is not res.before.state:
+                    res.pareto = [res.before]      # the program as captured, unoptimized
+                    continue
+                raise PlanError(
+                    "even the captured program, unoptimized, differs from eager PyTorch "
+                    f"({fail}); this is a magis_nb bug: please report it with the "
+                    "model (res.failed keeps each plan's code)", res.failed)
+        if res.failed:
+            res.message += (f" ({len(res.failed)} plan(s) failed the check against eager "
+                            "and were dropped: see .failed)")
+        res.verified = True
+        return plan
+
+    def rejects(self, res: OptimizeResult, plan: Plan) -> bool:
+        """The safety net fails ``plan`` (recorded in ``res.failed``); False without one."""
+        if self.safety is None:
+            return False
+        fail = self.safety.check(id(plan.state), plan.applied, res.module_for(plan))
+        if fail is not None and fail not in res.failed:
+            res.failed.append(fail)
+            res.drop_module(plan)
+        return fail is not None
+
+    def choose(self, res: OptimizeResult, mem_budget=None, lat_budget=None) -> Plan:
         if mem_budget is not None and lat_budget is not None:
             raise ValueError("give mem_budget or lat_budget, not both")
         before = res.before
@@ -160,12 +205,48 @@ class _Builder:
         return plan
 
 
+def _bug(what: str, e: BaseException, hint: bool = False) -> str:
+    """The message of an internal failure: what failed, the cause, what to do."""
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    out = f"{what} failed ({type(e).__name__}: {msg[:300]}): a magis_nb bug, please report it with the model"
+    if hint:
+        out += ("; optimize(..., fission=False) or algebra=False leaves out the rewrites "
+                "most likely to cause it")
+    return out
+
+
+def _should_verify(verify: bool | None, model: nn.Module, inputs, peak: int) -> bool:
+    """Explicit, or: not on the meta device, and on a GPU only with room for
+    eager's step on a copy of the model beside the plan's."""
+    tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+    tensors += list(model.parameters())
+    if any(t.device.type == "meta" for t in tensors):
+        if verify:
+            raise ValueError("verify=True needs real tensors: the model or the inputs "
+                             "are on the meta device")
+        return False
+    if verify is not None:
+        return verify
+    cuda = [t for t in tensors if t.device.type == "cuda"]
+    if cuda:
+        free, _ = torch.cuda.mem_get_info(cuda[0].device)
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        return free > 2 * (weights + peak)
+    return True
+
+
+def _low_precision(g) -> bool:
+    """bf16/fp16 anywhere in the step (such parameters, or autocast regions)."""
+    low = (torch.bfloat16, torch.float16)
+    return any(t is not None and t.dtype in low for n in g.nodes for t in n.outputs)
+
+
 def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode: str = "train",
              mem_budget: float | int | None = None, lat_budget: float | None = None,
              time_budget: float = 60.0, device_profile=None, seed: int = 0,
              progress: Callable[[Progress], object] | None = None,
              max_states: int | None = None, algebra: bool = True,
-             fission: bool = True) -> OptimizeResult:
+             fission: bool = True, verify: bool | None = None) -> OptimizeResult:
     """Capture ``model``'s step on ``inputs`` and search for a plan within a budget.
 
     ``mem_budget``: a ratio of the unoptimized peak (<= 16) or bytes: the fastest
@@ -183,6 +264,12 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
     for a program that `torch.compile` will compile, which does not keep a
     split program's memory (see `bench.peers_compile`).
 
+    ``verify`` (default: wherever eager's step fits next to the plan's) runs the
+    chosen plan once on ``inputs`` against an eager step and never returns one
+    that raises or differs: the next plan of the front is taken and the failure
+    kept in ``res.failed`` (`search.safety`). ``verify=False`` skips it (paper-size
+    planning on the meta device never verifies).
+
     An infeasible budget is not an error: the result holds the best plan reached,
     ``met=False`` and a message saying so.
     """
@@ -190,19 +277,26 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
         raise ValueError("give mem_budget or lat_budget, not both")
     if mode not in ("train", "infer"):
         raise ValueError(f"mode must be 'train' or 'infer', not {mode!r}")
-    inputs = tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)
     t0 = time.perf_counter()
     cost, async_copies, label = _cost_model(device_profile, inputs)   # bad names fail fast
-    program = trace(model, inputs, loss_fn=loss_fn, mode=mode)
+    try:
+        program = trace(model, inputs, loss_fn=loss_fn, mode=mode)
+    except CaptureError:
+        raise
+    except Exception as e:  # noqa: BLE001 - see _bug
+        raise CaptureError(_bug("building the program from the captured graph", e)) from e
     t_capture = time.perf_counter()
-    space = Space(program, cost, async_copies=async_copies, algebra=algebra, fission=fission)
-    # The program as PyTorch runs it: its order, nothing applied.
-    g = program.graph
-    base_order = program.to_node_order(program.program_order())
-    tl = program.simulate()
-    before = State((), (), g, [], base_order, tl.peak,
-                   sum(space.costs.of(g, v) for v in base_order), [], 0)
-    root = space.evaluate((), (), g)
+    try:
+        space = Space(program, cost, async_copies=async_copies, algebra=algebra, fission=fission)
+        # The program as PyTorch runs it: its order, nothing applied.
+        g = program.graph
+        base_order = program.to_node_order(program.program_order())
+        tl = program.simulate()
+        before = State((), (), g, [], base_order, tl.peak,
+                       sum(space.costs.of(g, v) for v in base_order), [], 0)
+        root = space.evaluate((), (), g)
+    except Exception as e:  # noqa: BLE001
+        raise PlanError(_bug("analysing the program", e, hint=True)) from e
     if mem_budget is not None:
         limit, _ = _parse_mem(mem_budget, before.peak)
         objective = Objective("mem", limit)
@@ -216,11 +310,23 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
                               before.peak, before.latency, done))
 
     t_analysis = time.perf_counter()
-    log = search(space, root, objective, time_budget=time_budget, seed=seed,
-                 max_states=max_states, progress=report)
+    try:
+        log = search(space, root, objective, time_budget=time_budget, seed=seed,
+                     max_states=max_states, progress=report)
+    except Exception as e:  # noqa: BLE001
+        raise PlanError(_bug("the search", e, hint=True)) from e
     if hasattr(cost, "save"):
         cost.save()  # measured op times: the next optimize on this machine reuses them
-    builder = _Builder(model, space, before, label)
+    safety = None
+    if _should_verify(verify, model, inputs, before.peak):
+        try:
+            safety = SafetyNet(model, inputs, loss_fn, mode, seed,
+                               low_precision=_low_precision(g))
+        except Exception as e:  # noqa: BLE001
+            raise PlanError(f"eager PyTorch's own step failed on these inputs ({type(e).__name__}: "
+                            f"{e}); the plans cannot be checked against it: fix the model or "
+                            "pass verify=False") from e
+    builder = _Builder(model, space, before, label, safety)
     front = _pareto_add(list(log.pareto), before)
     res = OptimizeResult(mode, None, None, None, builder.plan_of(before), None,
                          [builder.plan_of(s) for s in front], False, "", label,

@@ -115,6 +115,9 @@ class OptimizeResult:
     # seconds spent in each phase: "capture" (export and IR), "analysis" (D-Graph,
     # F-Tree, the unoptimized plan's costs), "search" (time_budget bounds this one)
     timings: dict = field(default_factory=dict)
+    # the safety net: plans that failed their check against eager (`search.safety`)
+    failed: list = field(default_factory=list)
+    verified: bool = False          # the chosen plan passed its check against eager
     # fit_measured: every (plan, measured time ratio) it tried, in order
     fits: list = field(default_factory=list)
     # fit_measured: plans it built between two adjacent plans of the front (same
@@ -163,6 +166,8 @@ class OptimizeResult:
         ratios: dict[int, float] = {}
 
         def measured_plan(p: Plan) -> float:
+            if id(p) not in ratios and self._builder.rejects(self, p):
+                ratios[id(p)] = float("inf")    # failed its check against eager: never chosen
             if id(p) not in ratios:
                 ratios[id(p)] = float(measure(self.module_for(p)))
                 self.fits.append((p, ratios[id(p)]))
@@ -202,6 +207,8 @@ class OptimizeResult:
                 if good >= 0:
                     plan = self.refined[good]
             ratio = ratios[id(plan)]
+        elif not self.fits:                 # every plan tried failed its check
+            return self.select(lat_budget=lat_budget)
         else:
             plan, ratio = min(self.fits, key=lambda t: t[1])
         self.plan, self.met = plan, ok is not None

@@ -1,0 +1,88 @@
+"""The safety net: a plan is run once against eager PyTorch before it is handed out.
+
+A plan is a program, and a program can be wrong where the simulator cannot see it
+(a kernel that rejects a layout, a rule that is subtly off on a model nobody tried).
+`SafetyNet.check` runs a plan's module on the real example inputs from the model's
+current state and compares loss, every gradient and every buffer with one eager
+step (computed once, on a deep copy, same RNG seed). A plan that raises or
+differs is never returned: `optimize` drops it from the front, records a
+`PlanFailure` (what failed, the generated line or the tensors that differ, the
+plan's code to reproduce it) and picks the next plan. The user's model, its
+gradients and the global RNG come back as they were.
+"""
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from ..verify import Reference
+
+# fp32: rtol 1e-4 and an atol of 1e-5 of the tensor's largest magnitude (a fission
+# or a re-ordered reduction adds in another order; gradients near zero carry the
+# scale's rounding error, not their own).
+RTOL, ATOL, REL_ATOL = 1e-4, 1e-6, 1e-5
+# Low precision (bf16/fp16 parameters or autocast): eager's own fp32-vs-bf16 spread.
+LOW_RTOL, LOW_REL_ATOL = 2e-2, 2e-2
+
+
+class PlanError(RuntimeError):
+    """No plan could be handed out: even the unoptimized program failed its check."""
+
+    def __init__(self, message: str, failures: list["PlanFailure"] | None = None):
+        self.failures = failures or []
+        super().__init__(message)
+
+
+@dataclass
+class PlanFailure:
+    plan: str                 # what the plan applies ("fission x0[0]/4; swap 3")
+    reason: str               # "raised RuntimeError: ..." or "differs from eager: ..."
+    where: str                # the generated line that raised, or the tensors that differ
+    code: str                 # the plan's generated source: a reproducer
+
+    def __str__(self) -> str:
+        return f"plan [{self.plan}] {self.reason} ({self.where})"
+
+
+def _generated_line(exc: BaseException) -> str:
+    """The line of the generated program the exception came from."""
+    for fs in reversed(traceback.extract_tb(exc.__traceback__)):
+        if fs.filename.startswith("<magis_nb-generated"):
+            return f"generated line {fs.lineno}: {(fs.line or '').strip()}"
+    return "outside the generated program"
+
+
+class SafetyNet:
+    """Eager's step once; each plan's module held against it, once."""
+
+    def __init__(self, model: nn.Module, inputs, loss_fn, mode: str, seed: int = 0,
+                 low_precision: bool = False):
+        self.model = model
+        self.tol = dict(rtol=LOW_RTOL, atol=ATOL, rel_atol=LOW_REL_ATOL) if low_precision \
+            else dict(rtol=RTOL, atol=ATOL, rel_atol=REL_ATOL)
+        with torch.random.fork_rng(devices=[]):
+            self.ref = Reference(model, inputs, loss_fn, mode, seed)
+        self.done: dict[int, PlanFailure | None] = {}
+
+    def check(self, key: int, label: str, module: nn.Module) -> PlanFailure | None:
+        """None when the plan's module gives eager's step; else why not."""
+        if key in self.done:
+            return self.done[key]
+        grads = {p: p.grad for p in self.model.parameters()}
+        try:
+            with torch.random.fork_rng(devices=[]):
+                res = self.ref.check(module, **self.tol)
+            cmp = res.comparison
+            fail = None if cmp.allclose else PlanFailure(
+                label, "differs from eager", "; ".join(cmp.mismatches[:4]), module.code)
+        except Exception as e:  # noqa: BLE001 - any failure of a plan is a finding
+            fail = PlanFailure(label, f"raised {type(e).__name__}: {str(e).splitlines()[0][:300]}",
+                               _generated_line(e), getattr(module, "code", ""))
+        finally:
+            for p, g in grads.items():     # the user's gradients as they were
+                p.grad = g
+        self.done[key] = fail
+        return fail

@@ -1,0 +1,79 @@
+"""The safety net: optimize() never returns a plan that raises or differs from eager."""
+import importlib
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import magis_nb
+from magis_nb.search.safety import PlanError
+
+opt_mod = importlib.import_module("magis_nb.search.optimize")   # the package exports the function
+
+
+def _mlp():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(),
+                      nn.Linear(256, 10))
+    return m, (torch.randn(64, 32), torch.randint(0, 10, (64,)))
+
+
+class _Broken(nn.Module):
+    """A plan's module that is wrong in one of two ways."""
+
+    def __init__(self, inner, how):
+        super().__init__()
+        self.inner, self.how, self.code = inner, how, inner.code
+
+    def forward(self, *a, **k):
+        loss = self.inner(*a, **k)
+        if self.how == "raise":
+            raise RuntimeError("view size is not compatible with input tensor's size and stride")
+        for p in self.inner.model.parameters():
+            p.grad.mul_(1.5)
+        return loss
+
+
+@pytest.mark.parametrize("how", ["raise", "differ"])
+def test_failing_plans_are_dropped_and_reported(monkeypatch, how):
+    m, inputs = _mlp()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    build = opt_mod._Builder.module
+
+    def module(self, plan):            # every optimized plan is broken; the captured program is not
+        mod = build(self, plan)
+        return mod if plan.state is self.before else _Broken(mod, how)
+
+    monkeypatch.setattr(opt_mod._Builder, "module", module)
+    rng = torch.get_rng_state()
+    res = magis_nb.optimize(m, inputs, loss_fn=F.cross_entropy, mem_budget=0.5,
+                            time_budget=5, max_states=30)
+    assert torch.equal(rng, torch.get_rng_state()), "the user's RNG stream is untouched"
+    assert res.failed and res.verified
+    assert res.plan.state is res.before.state or res.plan.applied == "re-order only"
+    assert "failed the check against eager" in res.message
+    f = res.failed[0]
+    assert ("raised RuntimeError" in f.reason) == (how == "raise")
+    assert f.code.startswith("def step(")
+    assert all(p.grad is None for p in m.parameters())
+    assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+
+
+def test_unoptimized_program_failing_is_a_plan_error(monkeypatch):
+    m, inputs = _mlp()
+    build = opt_mod._Builder.module
+    monkeypatch.setattr(opt_mod._Builder, "module",
+                        lambda self, plan: _Broken(build(self, plan), "differ"))
+    with pytest.raises(PlanError, match="even the captured program"):
+        magis_nb.optimize(m, inputs, loss_fn=F.cross_entropy, time_budget=3, max_states=10)
+
+
+def test_verified_plan_keeps_user_grads():
+    m, inputs = _mlp()
+    for p in m.parameters():
+        p.grad = torch.ones_like(p)
+    res = magis_nb.optimize(m, inputs, loss_fn=F.cross_entropy, mem_budget=0.5,
+                            time_budget=5, max_states=30)
+    assert res.verified and not res.failed
+    assert all(torch.equal(p.grad, torch.ones_like(p)) for p in m.parameters())
