@@ -12,6 +12,7 @@ COMMANDS = {
     "optimize": "the optimizer under memory/latency budgets (CPU measured; paper sizes simulated)",
     "peers": "magis_nb against eager, checkpoint, torch.compile memory budgets, Rockmate (CPU)",
     "overhead": "the generated program against PyTorch before any rewrite (time ratio, ops)",
+    "corpus": "real architectures (HF transformers, torch.nn), small and random: optimize, check, peaks",
     "gpu": "the one-shot GPU check: GPU tests, simcheck, eager vs plans, hidden transfers",
 }
 
