@@ -28,8 +28,8 @@ from magis_nb.program import trace
 from magis_nb.rules import rematerialize, swap
 from magis_nb.rules.remat import can_rematerialize, written_in_place
 from magis_nb.rules.swap import is_load, is_store
-from magis_nb.runtime.codegen import compile_source
 from magis_nb.runtime.copies import SYNC, TimedSyncCopies, host_buffer, is_dense
+from magis_nb.search.divergence import recorded_values
 from magis_nb.verify import Reference
 
 
@@ -135,34 +135,11 @@ def _case(name):
 
 # -- the layout every variable of a generated program had ------------------------------
 
-_ASSIGN = re.compile(r"^(\s+)([A-Za-z_]\w*(?:\s*,\s*[A-Za-z_]\w*)*)\s*,?\s*=\s")
-
-
 def _layouts(mod, inputs, ref) -> dict[str, tuple]:
     """Variable name -> (shape, strides) of the tensor it held (the last one, in a
     loop), from running ``mod`` once with its program instrumented."""
-    seen: dict[str, tuple] = {}
-
-    def rec(names, vals):
-        for nm, v in zip(names, vals):
-            if isinstance(v, torch.Tensor):
-                seen[nm] = (tuple(v.shape), tuple(v.stride()))
-
-    lines = []
-    for line in mod.code.splitlines():
-        lines.append(line)
-        m = _ASSIGN.match(line)
-        if m and not line.lstrip().startswith(("for ", "if ", "def ")):
-            names = [s.strip() for s in m.group(2).split(",") if s.strip()]
-            lines.append(f"{m.group(1)}_rec({names!r}, ({', '.join(names)},))")
-    fn = compile_source("\n".join(lines) + "\n")
-    fn.__globals__["_rec"] = rec
-    orig = mod._fn
-    mod._fn = fn
-    try:
-        ref.check(mod)
-    finally:
-        mod._fn = orig
+    seen, _ = recorded_values(mod, lambda: ref.check(mod),
+                              keep=lambda v: (tuple(v.shape), tuple(v.stride())))
     return seen
 
 

@@ -77,3 +77,22 @@ def test_verified_plan_keeps_user_grads():
                             time_budget=5, max_states=30)
     assert res.verified and not res.failed
     assert all(torch.equal(p.grad, torch.ones_like(p)) for p in m.parameters())
+
+
+def test_a_differing_plan_names_the_first_value_that_departs():
+    from magis_nb.program import trace
+    from magis_nb.runtime.codegen import compile_source
+    from magis_nb.search.safety import SafetyNet
+
+    m, inputs = _mlp()
+    prog = trace(m, inputs, loss_fn=F.cross_entropy)
+    net = SafetyNet(m, inputs, F.cross_entropy, "train")
+    bad = prog.module()
+    line = next(ln for ln in bad.code.splitlines() if "aten.gelu.default(" in ln)
+    name = line.split("=")[0].strip()
+    bad.code = bad.code.replace(line, line.replace("aten.gelu.default(", "aten.relu.default("))
+    bad._fn = compile_source(bad.code)
+    fail = net.check(1, "hand-broken", bad, baseline=prog.module)
+    assert fail is not None and fail.reason == "differs from eager"
+    assert fail.where.startswith(f"first differs at {name}: {name} = aten.relu.default("), fail.where
+    assert net.check(2, "as captured", prog.module()) is None

@@ -140,11 +140,10 @@ class _Builder:
             plan = self.choose(res, mem_budget, lat_budget)
             if self.safety is None:
                 return plan
-            fail = self.safety.check(id(plan.state), plan.applied, res.module_for(plan))
+            fail = self._check(res, plan)
             if fail is None:
                 break
             res.failed.append(fail)
-            res.drop_module(plan)
             res.pareto = [p for p in res.pareto if p is not plan]
             if plan.state is res.before.state or not res.pareto:
                 if plan.state is not res.before.state:
@@ -164,11 +163,21 @@ class _Builder:
         """The safety net fails ``plan`` (recorded in ``res.failed``); False without one."""
         if self.safety is None:
             return False
-        fail = self.safety.check(id(plan.state), plan.applied, res.module_for(plan))
+        fail = self._check(res, plan)
         if fail is not None and fail not in res.failed:
             res.failed.append(fail)
-            res.drop_module(plan)
         return fail is not None
+
+    def _check(self, res: OptimizeResult, plan: Plan):
+        """The safety net's verdict on ``plan`` (run once per plan). The modules it
+        builds are dropped again: a module (and its host buffers) is built when it
+        is asked for, and until then the process holds what it held before."""
+        try:
+            return self.safety.check(id(plan.state), plan.applied, lambda: res.module_for(plan),
+                                     baseline=lambda: res.module_for(res.before))
+        finally:
+            res.drop_module(plan)
+            res.drop_module(res.before)
 
     def choose(self, res: OptimizeResult, mem_budget=None, lat_budget=None) -> Plan:
         if mem_budget is not None and lat_budget is not None:

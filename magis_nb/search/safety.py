@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import traceback
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
 
+from ..capture import split_call
 from ..verify import Reference
+from .divergence import first_divergence
 
-# fp32: rtol 1e-4 and an atol of 1e-5 of the tensor's largest magnitude (a fission
+# fp32: rtol 1e-4, atol 1e-6 plus 1e-5 of the tensor's largest magnitude (a fission
 # or a re-ordered reduction adds in another order; gradients near zero carry the
 # scale's rounding error, not their own).
 RTOL, ATOL, REL_ATOL = 1e-4, 1e-6, 1e-5
@@ -67,10 +70,16 @@ class SafetyNet:
             self.ref = Reference(model, inputs, loss_fn, mode, seed)
         self.done: dict[int, PlanFailure | None] = {}
 
-    def check(self, key: int, label: str, module: nn.Module) -> PlanFailure | None:
-        """None when the plan's module gives eager's step; else why not."""
+    def check(self, key: int, label: str, module: nn.Module | Callable[[], nn.Module],
+              baseline: Callable[[], nn.Module] | None = None) -> PlanFailure | None:
+        """None when the plan's module (or ``module()``, built only when ``key`` was
+        not checked yet) gives eager's step; else why not. When it differs and
+        ``baseline()`` gives the unoptimized program's module, the failure names the
+        first value of the plan's program that departs from it (`search.divergence`)."""
         if key in self.done:
             return self.done[key]
+        if not isinstance(module, nn.Module):
+            module = module()
         grads = {p: p.grad for p in self.model.parameters()}
         try:
             with torch.random.fork_rng(devices=[]):
@@ -78,6 +87,10 @@ class SafetyNet:
             cmp = res.comparison
             fail = None if cmp.allclose else PlanFailure(
                 label, "differs from eager", "; ".join(cmp.mismatches[:4]), module.code)
+            if fail is not None and baseline is not None:
+                first = self._first_divergence(baseline(), module)
+                if first:
+                    fail.where = f"first differs at {first}; then {fail.where}"
         except Exception as e:  # noqa: BLE001 - any failure of a plan is a finding
             fail = PlanFailure(label, f"raised {type(e).__name__}: {str(e).splitlines()[0][:300]}",
                                _generated_line(e), getattr(module, "code", ""))
@@ -86,3 +99,21 @@ class SafetyNet:
                 p.grad = g
         self.done[key] = fail
         return fail
+
+    def _first_divergence(self, before: nn.Module, plan: nn.Module) -> str | None:
+        ref = self.ref
+        args, kwargs = split_call(ref.inputs)
+
+        def run(mod):
+            ref.restore()
+            torch.manual_seed(ref.seed)
+            return mod(*args, **kwargs)
+
+        try:
+            with torch.random.fork_rng(devices=[]):
+                return first_divergence(before, plan, run, rtol=self.tol["rtol"],
+                                        rel_atol=self.tol["rel_atol"])
+        except Exception:  # noqa: BLE001 - the search for the op is a courtesy, not the check
+            return None
+        finally:
+            ref.restore()
