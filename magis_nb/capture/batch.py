@@ -93,7 +93,7 @@ class CallSpec:
         return [self._where(i) for i in self.tensor_at]
 
     def _where(self, leaf: int) -> str:
-        paths, _ = pytree.tree_flatten_with_path(self.rebuild_dummy())
+        paths, _ = pytree.tree_flatten_with_path(self._leaf_positions())
         path = paths[leaf][0]
         top = path[0].idx                      # 0: args, 1: kwargs
         rest = path[1:]
@@ -103,7 +103,8 @@ class CallSpec:
             head, rest = str(rest[0].key), rest[1:]
         return head + "".join(pytree.keystr((k,)) for k in rest)
 
-    def rebuild_dummy(self):
+    def _leaf_positions(self):
+        """The call's structure with each leaf replaced by its position."""
         n = len(self.tensor_at) + len(self.consts)
         return pytree.tree_unflatten(list(range(n)), self.spec)
 
