@@ -49,15 +49,13 @@ class CallSpec:
     spec: Any                       # pytree spec of (args, kwargs)
     tensor_at: list[int]            # leaf positions that are tensors
     consts: dict[int, Any]          # leaf position -> constant value
-    n_args: int                     # positional arguments
-    keys: tuple[str, ...]           # keyword names, in call order
 
     @classmethod
     def of(cls, args: tuple, kwargs: dict) -> "CallSpec":
         leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
         at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         consts = {i: x for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)}
-        return cls(spec, at, consts, len(args), tuple(kwargs))
+        return cls(spec, at, consts)
 
     def tensors(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         """The tensor leaves of a call with this structure; a clear error otherwise."""

@@ -104,36 +104,39 @@ class _Step(nn.Module):
 
     def forward(self, *tensors):
         args, kwargs = self.call.rebuild(tensors)
+
+        def model(*a, **k):     # the model with the step's (traced) parameters and buffers
+            return torch.func.functional_call(self.model, self.state(), a, k,
+                                              tie_weights=True, strict=False)
+
+        out = _called(model, args, kwargs, self._loss_fn, self._mode)
         if self._mode == "infer":
-            out = torch.func.functional_call(self.model, self.state(), args, kwargs,
-                                             tie_weights=True, strict=False)
             leaves, spec = flatten(out)
             object.__setattr__(self, "out_spec", spec)
             return tuple(leaves)
-        if self._loss_fn is not None:
-            out = torch.func.functional_call(self.model, self.state(), args[:-1], kwargs,
-                                             tie_weights=True, strict=False)
-            loss = self._loss_fn(out, args[-1])
-        else:
-            loss = find_loss(torch.func.functional_call(self.model, self.state(), args, kwargs,
-                                                        tie_weights=True, strict=False))
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss)
+        if not isinstance(out, torch.Tensor) or out.dim() != 0:
+            shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out)
             raise CaptureError(
                 f"the loss must be a scalar tensor, got {shape}; reduce it "
                 "(e.g. .mean()) in the model or in loss_fn")
-        return (loss,)
+        return (out,)
+
+
+def _called(model: Callable, args: tuple, kwargs: dict, loss_fn: Callable | None, mode: str):
+    """``model`` called as capture calls it: its output (infer), ``loss_fn(output,
+    last positional argument)``, or the loss the model returns."""
+    if mode == "infer":
+        return model(*args, **kwargs)
+    if loss_fn is not None:
+        return loss_fn(model(*args[:-1], **kwargs), args[-1])
+    return find_loss(model(*args, **kwargs))
 
 
 def call_step(model: nn.Module, inputs, loss_fn: Callable | None = None,
               mode: str = "train"):
     """The model called as capture calls it: the loss (train) or the output (infer)."""
     args, kwargs = split_call(inputs)
-    if mode == "infer":
-        return model(*args, **kwargs)
-    if loss_fn is not None:
-        return loss_fn(model(*args[:-1], **kwargs), args[-1])
-    return find_loss(model(*args, **kwargs))
+    return _called(model, args, kwargs, loss_fn, mode)
 
 
 class LossModule(nn.Module):

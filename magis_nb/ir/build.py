@@ -104,7 +104,6 @@ def build_graph(cap: Captured) -> Graph:
     taken: set[str] = set()
     placeholders = [n for n in g.nodes if n.op == "placeholder"]
     n_p, n_b = len(cap.param_names), len(cap.buffer_names)
-    by_name: dict = {}
     for k, ph in enumerate(placeholders):
         if k < n_p:
             role, cat, nm = ("param", cap.param_names[k]), "weight", "p_" + cap.param_names[k]
@@ -113,13 +112,11 @@ def build_graph(cap: Captured) -> Graph:
         else:
             role, cat, nm = ("input", k - n_p - n_b), "input", f"x{k - n_p - n_b}"
         val = ph.meta["val"]
+        # one placeholder per distinct tensor: a tied weight is one input (Note [one
+        # placeholder per parameter], capture/export.py)
         info = TensorInfo(tuple(val.shape), val.dtype, _storage_bytes(val))
-        twin = cap.tied.get(role[1]) if role[0] != "input" else None
-        if twin is not None:  # a tied weight's second name: no storage of its own
-            info = TensorInfo(info.shape, info.dtype, 0, alias=by_name[twin])
         node = Node(id=len(nodes), name=_ident(nm, taken), kind="input", target="input",
                     outputs=[info], category=cat, role=role)
-        by_name[role[1]] = Ref(len(nodes), 0)
         nodes.append(node)
         ref_of[ph] = Ref(node.id, 0)
     # Lifted tensor constants come after the user's inputs: the module passes them

@@ -124,9 +124,9 @@ class OptimizedModule(nn.Module):
     def forward(self, *args, **kwargs):
         inputs = self._tensors(args, kwargs)
         self._check(inputs)
-        # Keep duplicates: a tied weight is a graph input under each of its names.
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        buffers = dict(self.model.named_buffers(remove_duplicate=False))
+        # by their first names: a tied weight is one graph input (capture/export.py)
+        params = dict(self.model.named_parameters())
+        buffers = dict(self.model.named_buffers())
         args = [params[n] for n in self._param_names]
         args += [buffers[n] for n in self._buffer_names]
         dev = inputs[0].device
