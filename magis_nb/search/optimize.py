@@ -138,21 +138,18 @@ class _Builder:
         made again."""
         while True:
             plan = self.choose(res, mem_budget, lat_budget)
-            if self.safety is None:
-                return plan
-            fail = self._check(res, plan)
+            fail = self.rejection(res, plan)
             if fail is None:
                 break
-            res.failed.append(fail)
-            res.pareto = [p for p in res.pareto if p is not plan]
-            if plan.state is res.before.state or not res.pareto:
-                if plan.state is not res.before.state:
-                    res.pareto = [res.before]      # the program as captured, unoptimized
-                    continue
+            if plan.state is res.before.state:
                 raise PlanError(
                     "even the captured program, unoptimized, differs from eager PyTorch "
                     f"({fail}); this is a magis_nb bug: please report it with the "
                     "model (res.failed keeps each plan's code)", res.failed)
+            if not res.pareto:
+                res.pareto = [res.before]      # the program as captured, unoptimized
+        if self.safety is None:
+            return plan
         if res.failed:
             res.message += (f" ({len(res.failed)} plan(s) failed the check against eager "
                             "and were dropped: see .failed)")
@@ -160,13 +157,19 @@ class _Builder:
         return plan
 
     def rejects(self, res: OptimizeResult, plan: Plan) -> bool:
-        """The safety net fails ``plan`` (recorded in ``res.failed``); False without one."""
+        return self.rejection(res, plan) is not None
+
+    def rejection(self, res: OptimizeResult, plan: Plan):
+        """Why the safety net fails ``plan`` (None: it passed, or there is no net).
+        A failure is recorded in ``res.failed`` and the plan leaves the front."""
         if self.safety is None:
-            return False
+            return None
         fail = self._check(res, plan)
-        if fail is not None and fail not in res.failed:
-            res.failed.append(fail)
-        return fail is not None
+        if fail is not None:
+            if fail not in res.failed:
+                res.failed.append(fail)
+            res.pareto = [p for p in res.pareto if p is not plan]
+        return fail
 
     def _check(self, res: OptimizeResult, plan: Plan):
         """The safety net's verdict on ``plan`` (run once per plan). The modules it
