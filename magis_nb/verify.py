@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from .capture import eager_step, flatten, split_call
 from .runtime.measure import measure_cpu, model_baseline
+from .snapshot import ModelSnapshot
 
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -79,7 +80,7 @@ class Reference:
 
     def __init__(self, model: nn.Module, inputs: tuple, loss_fn, mode: str, seed: int = 0):
         self.model, self.inputs, self.loss_fn, self.mode, self.seed = model, inputs, loss_fn, mode, seed
-        self._state = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
+        self.start = ModelSnapshot.of(model)
         self.ref = copy.deepcopy(model)
         for p in self.ref.parameters():
             p.grad = None
@@ -89,11 +90,8 @@ class Reference:
         self.out, self.eager_peak = m.result, m.peak
 
     def restore(self) -> None:
-        with torch.no_grad():
-            for k, v in self.model.state_dict(keep_vars=True).items():
-                v.copy_(self._state[k])
-        for p in self.model.parameters():
-            p.grad = None
+        """The model back to its state at construction, without gradients."""
+        self.start.restore()
 
     def check(self, runner: Callable, *, rtol=RTOL, atol=ATOL, rel_atol: float = 0.0) -> StepCheck:
         self.restore()

@@ -195,7 +195,7 @@ def test_search_proposes_algebra_and_replays_it_outside_fission_regions():
     keep the peak; a merge batch replayed on a plan whose region holds one
     group's matmuls drops that group only; the kill switch stops the proposals."""
     from magis_nb import zoo
-    from magis_nb.search.algorithm import proposals
+    from magis_nb.search.proposals import proposals
     from magis_nb.search.space import Space
     from magis_nb.simulate.cost import make_cost
     case = zoo.build("gpt", "tiny")

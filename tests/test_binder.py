@@ -6,7 +6,6 @@ torch==2.13.0 from the same pin. Everything else is installed exactly as listed,
 from the repository root as repo2docker does.
 """
 import subprocess
-import sys
 import venv
 from pathlib import Path
 

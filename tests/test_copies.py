@@ -113,7 +113,7 @@ def test_store_follows_its_producer_and_ready_precedes_the_first_reader():
     assert load < lines.index("_io.ready(0)") == first - 1
     assert lines[-2] == "_io.finish()"
     late_io = LateCopies()
-    out = mod._fn(x.device, x, *mod._pools, _io=late_io)[0]
+    out = mod.step_fn(x.device, x, *mod.host_buffers, _io=late_io)[0]
     torch.testing.assert_close(out, LateUse()(x))
     assert late_io.readied == [0]
 
@@ -124,14 +124,14 @@ def test_late_copies_train_exactly_like_eager_at_the_simulated_peak():
     case, prog, sg, order = swapped_gpt()
     mod = OptimizedModule(case.model, prog.captured, sg, order)
     late_io = LateCopies()
-    mod._copies[(torch.device("cpu"), False)] = late_io
+    mod.copies = late_io
     ref = Reference(case.model, case.inputs, case.loss_fn, "train")
     chk = ref.check(mod)
     assert chk.comparison.allclose, chk.comparison.mismatches
     assert sorted(late_io.readied) == list(range(len(swap_ops(sg)[1])))
     assert chk.measured_peak == simulated_peak(sg, order)
     # and the default (synchronous) copies give the same step
-    del mod._copies[(torch.device("cpu"), False)]
+    mod.copies = None
     chk2 = ref.check(mod)
     assert chk2.comparison.allclose and chk2.measured_peak == chk.measured_peak
 

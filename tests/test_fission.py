@@ -261,7 +261,7 @@ def test_packed_masks_are_bit_identical_and_smaller(name):
     bits as the plain split, matches eager, and its simulated peak, lower, is
     the measured one to the byte."""
     from magis_nb import zoo
-    from magis_nb.analysis.apply import packable_masks
+    from magis_nb.analysis.masks import packable_masks
     case = zoo.build(name, "tiny")
     prog = trace(case.model, case.inputs, loss_fn=case.loss_fn)
     dg = DGraph(prog.graph)

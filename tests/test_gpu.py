@@ -53,7 +53,7 @@ def test_async_swaps_on_a_copy_stream_match_eager_and_the_simulated_peak():
     case, prog, g, order = swapped_gpt("cuda")
     ref = copy.deepcopy(case.model)
     mod = OptimizedModule(case.model, prog.captured, g, order)
-    assert all(p.is_pinned() for p in mod._pools)
+    assert all(p.is_pinned() for p in mod.host_buffers)
     torch.manual_seed(0)
     got = measure_cuda(lambda: mod(*case.inputs))
     assert isinstance(mod._io(case.inputs[0].device), CudaCopies)
@@ -66,7 +66,7 @@ def test_async_swaps_on_a_copy_stream_match_eager_and_the_simulated_peak():
     mod.timed_copies = True
     mod(*case.inputs)
     st = mod.transfer_stats()
-    assert st.copies == 2 * len(mod._pools) and st.transfer_s > 0 and 0.0 <= st.hidden <= 1.0
+    assert st.copies == 2 * len(mod.host_buffers) and st.transfer_s > 0 and 0.0 <= st.hidden <= 1.0
 
 
 def test_measured_costs_are_cached_per_tf32_setting(tmp_path):

@@ -1,11 +1,11 @@
-"""runtime.kernels: the program's faster op substitutes equal ATen's ops bit for bit."""
+"""magis_nb.kernels: the program's faster op substitutes equal ATen's ops bit for bit."""
 import pytest
 import torch
 import torch.nn as nn
 
 from magis_nb.ir.graph import Node
 from magis_nb.program import trace
-from magis_nb.runtime.kernels import callable_for, dropout_apply
+from magis_nb.kernels import callable_for, dropout_apply
 from magis_nb.simulate.measured import MeasuredCost
 from magis_nb.verify import check_step
 

@@ -269,7 +269,7 @@ def test_random_rewrites_keep_layouts_and_results(name, seed, steps):
     assert chk.comparison.allclose, (what, chk.comparison.mismatches)
     assert chk.measured_peak == plan.simulate().peak, what
     _assert_same_layouts(eager, _layouts(mod, inputs, ref), prog.graph, plan.graph)
-    for pool in mod._pools:
+    for pool in mod.host_buffers:
         assert _significant(pool.shape, pool.stride()) in {
             _significant(s, t) for s, t in eager.values() if s == tuple(pool.shape)}
 
@@ -306,7 +306,7 @@ def test_swapped_attention_output_keeps_its_layout(which):
     chosen = {"forward": users, "forward+backward": users + late, "backward": late}[which]
     plan = prog.with_graph(swap(prog.graph, out, chosen))
     mod = plan.module()
-    (pool,) = mod._pools
+    (pool,) = mod.host_buffers
     assert pool.stride() == prog.graph.tensor(out).stride
     chk = ref.check(mod)
     assert chk.comparison.allclose, chk.comparison.mismatches

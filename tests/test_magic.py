@@ -112,7 +112,7 @@ def test_output_name_quiet_no_plot(ip):
     assert out.stdout == "" and out.stderr == "" and out.outputs == []
     res, out = magis(ip, "--no-plot --lat 1.5 --mode train --no-algebra")
     assert res.error_in_exec is None and ip.user_ns["model_opt_result"].budget_kind == "lat"
-    assert ip.user_ns["model_opt_result"]._builder.space.algebra is False
+    assert ip.user_ns["model_opt_result"].builder.space.algebra is False
     assert "| after |" in out.stdout
     assert not [o for o in out.outputs if "image/png" in o.data]
 

@@ -127,3 +127,19 @@ def test_import_stays_cheap():
             "'torch') if m in sys.modules]; print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_swap_flags():
+    from IPython.core.error import UsageError
+    from IPython.core.magic_arguments import parse_argstring
+
+    from magis_nb.notebook.flags import from_args
+    from magis_nb.notebook.magic import MagisMagics
+
+    def flags(line):
+        return from_args(parse_argstring(MagisMagics.magis, line))
+    assert flags("").swap is None
+    assert flags("--no-swap").swap is False
+    assert flags("--swap --profile rtx3090").swap is True
+    with pytest.raises(UsageError, match="--swap or --no-swap"):
+        flags("--swap --no-swap")

@@ -1,4 +1,6 @@
 """Every tutorial notebook runs top to bottom with nbclient, as a user's kernel would."""
+import re
+
 import nbformat
 import pytest
 
@@ -56,4 +58,8 @@ def test_quickstart_main_job(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| plan | peak MiB |" in out and "| before |" in out and "| after |" in out
     assert "losses match eager" in out
+    # on the CPU the plan does not swap, and the saving is the process's own memory
+    assert "planned for this CPU: process memory (no swaps" in out
+    ratio = float(re.search(r"measured process memory of one step: .* \(x([0-9.]+)\)", out)[1])
+    assert ratio <= 0.6, out
     check(nbformat.read(tmp_path / "01_quickstart.ipynb", as_version=4), "01_quickstart")

@@ -170,12 +170,12 @@ def test_result_reports_what_was_applied(gpt_mem):
 
 def test_algebra_off_switch_reaches_the_search():
     """optimize(algebra=False) (%%magis --no-algebra) proposes no merge or sink."""
-    from magis_nb.search.algorithm import proposals
+    from magis_nb.search.proposals import proposals
     case = zoo.build("gpt", "tiny")
     for on in (True, False):
         res = magis_nb.optimize(case.model, case.inputs, loss_fn=case.loss_fn,
                                 device_profile=PROFILE, time_budget=60, max_states=2, algebra=on)
-        space = res._builder.space
+        space = res.builder.space
         root = space.evaluate((), (), space.program.graph)
         kinds = {r.rstrip("x0123456789") for r, *_ in proposals(space, root)}
         assert ({"merge", "sink"} <= kinds) == on, kinds
@@ -224,11 +224,11 @@ def test_fit_measured_refines_between_two_splits_the_front_skips(gpt, gpt_mem):
     the splits in between and bisects among them on measured time."""
     res = copy.copy(gpt_mem)
     res._modules, res.pareto = {}, list(res.pareto)
-    sp = res._builder.space
+    sp = res.builder.space
     top = max((c for c in sp.cands if not c.pack), key=lambda c: c.score)
     n_hi = max(d for d in divisors(top.max_n) if d <= 8)
     g, batches = sp.build(((top.id, n_hi),), ())
-    hi = res._builder.plan_of(sp.evaluate(((top.id, n_hi),), batches, g))
+    hi = res.builder.plan_of(sp.evaluate(((top.id, n_hi),), batches, g))
     res.pareto = [hi, res.before]
 
     def n_of(p):

@@ -73,7 +73,7 @@ def test_allclose_catches_a_wrong_step(gpt):
     ref = Reference.of(gpt)
 
     def make(case):
-        m = S._fresh(case)
+        m = S.fresh_copy(case)
         def step():  # eager, then one gradient is off by 1%
             loss = S.eager_step(m, case.inputs, case.loss_fn, "train")
             with torch.no_grad():
@@ -101,7 +101,7 @@ def test_batchnorm_recompute_shows_in_buffers():
                        nn.functional.cross_entropy, torch.float32, "")
 
     def make(c):
-        m = S._fresh(c)
+        m = S.fresh_copy(c)
         params, bufs = list(m.parameters()), list(m.buffers())
         S.wrap_blocks(m, ("1",))
         return [Candidate("bn", lambda: S.eager_step(m, c.inputs, c.loss_fn, "train"), params, bufs)]
@@ -190,11 +190,11 @@ def test_make_opaque_rewrites_every_swap_and_draw(swapping_plan):
 
     case, res, plan = swapping_plan
     log = {}
-    mod = compile_plan(res._builder.module(plan), "aot_eager", log=log)
+    mod = compile_plan(res.builder.module(plan), "aot_eager", log=log)
     [r] = measure(case, "magis+aot_eager", lambda c: [_step_of(c, mod)], reps=1)
     torch._dynamo.reset()
     assert r.error is None and r.allclose is True, r
-    n = len(mod._pools)
+    n = len(mod.host_buffers)
     assert n > 0 and log["pools"] == log["stores"] == n and log["loads"] >= n
     assert log["draws"] == 13  # gpt tiny: 4 layers x 3 dropouts + the embeddings' one
 
@@ -210,8 +210,8 @@ def test_magis_plus_inductor_keeps_the_plan_and_eager_numerics(swapping_plan):
 
     case, res, plan = swapping_plan
     ref = Reference.of(case)
-    plain = res._builder.module(plan)
-    mod = compile_plan(res._builder.module(plan), "inductor")
+    plain = res.builder.module(plan)
+    mod = compile_plan(res.builder.module(plan), "inductor")
     saved = iconfig.fallback_random
     iconfig.fallback_random = True
     try:
@@ -291,8 +291,8 @@ def test_magis_plus_inductor_converts_a_unet_skip_once():
                    time_budget=30)
     ref = Reference.of(case)
     log = {}
-    plain = res._builder.module(res.before)
-    mod = compile_plan(res._builder.module(res.before), "inductor", log=log)
+    plain = res.builder.module(res.before)
+    mod = compile_plan(res.builder.module(res.before), "inductor", log=log)
     try:
         rows = measure(case, "magis", lambda c: [_step_of(c, plain)], reps=1, ref=ref)
         rows += measure(case, "magis+inductor", lambda c: [_step_of(c, mod)], reps=1, ref=ref)
@@ -331,7 +331,7 @@ def test_magis_candidates_build_their_module_at_the_first_step_and_release_it():
     assert result._modules == {}             # each module dropped once measured
     for c in cands:                          # host bytes read off the plan match its module's
         plan = next(p for p in result.pareto if p.applied == c.note and p.peak == c.extra["sim_peak"])
-        pools = result.module_for(plan)._pools
+        pools = result.module_for(plan).host_buffers
         assert c.extra["host_bytes"] == sum(t.numel() * t.element_size() for t in pools)
         result.drop_module(plan)
     assert result._modules == {}

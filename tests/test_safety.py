@@ -91,7 +91,7 @@ def test_a_differing_plan_names_the_first_value_that_departs():
     line = next(ln for ln in bad.code.splitlines() if "aten.gelu.default(" in ln)
     name = line.split("=")[0].strip()
     bad.code = bad.code.replace(line, line.replace("aten.gelu.default(", "aten.relu.default("))
-    bad._fn = compile_source(bad.code)
+    bad.step_fn = compile_source(bad.code)
     fail = net.check(1, "hand-broken", bad, baseline=prog.module)
     assert fail is not None and fail.reason == "differs from eager"
     assert fail.where.startswith(f"first differs at {name}: {name} = aten.relu.default("), fail.where

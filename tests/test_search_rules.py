@@ -10,7 +10,7 @@ from magis_nb.program import trace
 from magis_nb.rules import merge_recompute, rematerialize, swap, unswap
 from magis_nb.rules.remat import can_rematerialize, rematerialize_all
 from magis_nb.rules.swap import swap_all
-from magis_nb.search.algorithm import Objective, _pareto_add
+from magis_nb.search.objective import Objective, pareto_add as _pareto_add
 from magis_nb.search.space import State
 from magis_nb.search.transfers import place_transfers, swap_ops, transfers_of
 from magis_nb.simulate.latency import simulate_latency
@@ -193,7 +193,7 @@ def test_a_batch_never_holds_a_remat_that_undoes_another(one_thread):
     a remat that frees that conv output, whichever comes second is left out; so
     is recomputing the next conv, which reads the ReLU's output."""
     from magis_nb import zoo
-    from magis_nb.search.algorithm import _compatible
+    from magis_nb.search.pricing import compatible as _compatible
     from magis_nb.search.space import Remat
     case = zoo.build("unet", "tiny")
     g = trace(case.model, case.inputs, loss_fn=case.loss_fn).graph
@@ -215,7 +215,7 @@ def test_line_search_along_n_predicts_the_budget_from_two_points():
     picked is the last one the prediction fits (latency budget) or the first
     (memory budget), and never `mutate`'s own next n from an F-Tree child."""
     from types import SimpleNamespace
-    from magis_nb.search.algorithm import _jump
+    from magis_nb.search.linesearch import jump as _jump
     space = SimpleNamespace(cands=[SimpleNamespace(max_n=32)])
     root, n2 = _fission_st((), 100, 1.00), _fission_st(((0, 2),), 60, 1.01)
     # latency: 1.01 + 0.01 (d - 2) <= 1.10 for d <= 11: the divisors 4 and 8 fit
@@ -246,7 +246,7 @@ def test_line_search_along_n_predicts_the_budget_from_two_points():
 
 def test_enable_top_takes_the_best_scoring_candidate_that_fits():
     from types import SimpleNamespace
-    from magis_nb.search.algorithm import _enable_top
+    from magis_nb.search.proposals import enable_top as _enable_top
     C = lambda i, ops, score, max_n: SimpleNamespace(id=i, ops=frozenset(ops), score=score,  # noqa: E731
                                                      max_n=max_n)
     space = SimpleNamespace(cands=[C(0, {1, 2}, 5.0, 8), C(1, {1, 2, 3, 4}, 9.0, 6), C(2, {7}, 1.0, 4)])

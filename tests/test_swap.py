@@ -21,7 +21,7 @@ def test_swap_lowers_the_device_peak_exactly():
     sw = prog.with_graph(swap(prog.graph, Ref(a, 0), [late]))
     assert sw.simulate().peak == 4 * MiB
     mod = sw.module()
-    assert len(mod._pools) == 1 and mod._pools[0].numel() == MiB // 4
+    assert len(mod.host_buffers) == 1 and mod.host_buffers[0].numel() == MiB // 4
     # the plan's graph says what host memory its module will hold, without building it
     assert [n.outputs[0].nbytes for n in pool_inputs(sw.graph)] == [MiB]
     m = measure_cpu(lambda: mod(x), [x])

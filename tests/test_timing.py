@@ -1,7 +1,7 @@
-"""bench.timing: pairs, warm-ups and the ratio's spread, on a fake clock."""
+"""magis_nb.timing: pairs, warm-ups and the ratio's spread, on a fake clock."""
 import pytest
 
-from magis_nb.bench.timing import PairTiming, clear_grads, time_steps
+from magis_nb.timing import PairTiming, call_seconds, clear_grads, time_steps
 
 
 class FakeClock:
@@ -44,6 +44,16 @@ def test_quartiles_show_the_spread_and_no_ref_gives_no_ratio():
     assert alone.ref_s is None and alone.ratios == [] and alone.ratio is None and alone.quartiles is None
     with pytest.raises(ValueError, match="reps"):
         time_steps(lambda: None, 0)
+
+
+def test_call_seconds_times_one_call_with_its_arguments():
+    clock, got = FakeClock(), []
+
+    def op(a, b=0):
+        got.append((a, b))
+        clock.now += 0.25
+    assert call_seconds(op, (1,), {"b": 2}, clock=clock) == 0.25 and got == [(1, 2)]
+    assert call_seconds(lambda: op(3), clock=clock) == 0.25 and got[-1] == (3, 0)
 
 
 def test_clear_grads_drops_every_gradient():

@@ -12,10 +12,9 @@ from dataclasses import dataclass, field
 import rustworkx as rx
 
 from ..ir.graph import Graph, Ref, iter_refs
-from .apply import packable_masks
 from .dgraph import DGraph
 from .ftrans import FTrans, check, divisors, max_parts, reentered, weak_pieces
-
+from .masks import packable_masks
 
 # Splitting into more parts than this only adds per-op overhead (and the split
 # program is built part by part): n is the largest divisor of the axis length <= it.
@@ -43,7 +42,7 @@ class Candidate:
     max_n: int
     parent: int | None = None
     children: list[int] = field(default_factory=list)
-    pack: bool = False      # its dropout masks packed (Note [packed masks] in apply.py)
+    pack: bool = False      # its dropout masks packed (Note [packed masks] in masks.py)
     twin: int | None = None  # the same region with the other ``pack``
 
     def ftrans(self, n: int) -> FTrans:
@@ -173,7 +172,7 @@ def build_ftree(dg: DGraph, hotspots: dict[Ref, int], *, levels: int = 4, n: int
 
 def add_pack_twins(dg: DGraph, cands: list[Candidate]) -> None:
     """Append to ``cands`` a twin with ``pack=True`` of every candidate whose split
-    parts read dropout masks that can be packed (Note [packed masks] in apply.py).
+    parts read dropout masks that can be packed (Note [packed masks] in masks.py).
     A twin sits outside the tree (no parent, no children): the "pack" rule of
     `mutations` is the only way in and out."""
     for c in list(cands):

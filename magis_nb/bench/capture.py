@@ -4,14 +4,11 @@ allocated): ops, capture seconds, simulated program-order peak and peak RSS.
 Each model runs in its own process so that the reported peak RSS is its own."""
 from __future__ import annotations
 
-import json
 import resource
-import subprocess
-import sys
 import time
 
 from .. import zoo
-from .common import parser, table, write_json
+from .common import parser, run_child, send_result, table, write_json
 
 
 def capture_one(name: str, size: str = "paper") -> dict:
@@ -34,19 +31,16 @@ def capture_one(name: str, size: str = "paper") -> dict:
 def main(argv) -> int:
     p = parser("capture", __doc__)
     p.add_argument("--models", default=",".join(zoo.names("paper")))
-    p.add_argument("--one", help="capture one model and print its row as JSON")
+    p.add_argument("--one", help="capture one model in this process; print its row as JSON "
+                   "(after common.RESULT, the line run_child reads)")
     a = p.parse_args(argv)
     if a.one:
-        print(json.dumps(capture_one(a.one)))
+        send_result(capture_one(a.one))
         return 0
     rows = []
     for name in a.models.split(","):
-        r = subprocess.run([sys.executable, "-m", "magis_nb.bench", "capture", "--one", name],
-                           capture_output=True, text=True)
-        if r.returncode != 0:
-            rows.append({"model": name, "error": r.stderr.strip().splitlines()[-1]})
-        else:
-            rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
+        r = run_child("capture", ["--one", name])
+        rows.append(r.value if r.ok else {"model": name, "error": r.error})
         print(rows[-1], flush=True)
     print(table(rows, [("model", "model"), ("params", "params"), ("ops", "ops"),
                        ("capture_seconds", "capture s"), ("sim_peak_gib", "sim peak GiB"),

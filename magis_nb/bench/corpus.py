@@ -28,16 +28,12 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import os
-import subprocess
-import sys
 import time
 import traceback
 
-from .common import fixed_threads, parser, table, write_json
+from .common import fixed_threads, parser, run_child, send_result, table, write_json
 
-MARK = "CORPUS_ROWS "
 RTOL, ATOL, REL_ATOL = 1e-4, 1e-5, 1e-5
 FAST_STATES, FAST_TIME = 30, 5.0
 
@@ -117,6 +113,10 @@ def budget_row(case, kind: str, budget: float, *, time_budget: float, max_states
         kw["verify"] = False          # the bench checks the plans itself, below
     if max_states:
         kw["max_states"] = max_states
+    # swaps allowed: a row's mem_ratio is the device stand-in's, process_ratio the
+    # process's with the swapped bytes' host buffers (Note [which memory] in
+    # search.report); a CPU plan made without a GPU in mind would not swap
+    kw["swap"] = True
     try:
         try:
             res = optimize(case.model, case.inputs, loss_fn=case.loss_fn, time_budget=time_budget, **kw)
@@ -202,26 +202,19 @@ def _lost_row(name: str, budget: str, error: str, error_type: str, seconds: floa
 def run_isolated(name: str, *, fast: bool, time_budget: float, max_states, timeout: float,
                  threads: int) -> list[dict]:
     """``model_rows`` in a child process: a crash or a timeout is a row."""
-    cmd = [sys.executable, "-m", "magis_nb.bench", "corpus", "--one", name,
-           "--time-budget", str(time_budget), "--threads", str(threads)]
+    args = ["--one", name, "--time-budget", str(time_budget), "--threads", str(threads)]
     if fast:
-        cmd.append("--fast")
+        args.append("--fast")
     if max_states:
-        cmd += ["--max-states", str(max_states)]
+        args += ["--max-states", str(max_states)]
     budgets = ["mem:0.5"] + ([] if fast else ["lat:1.1"])
-    t0 = time.perf_counter()
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return [_lost_row(name, b, f"timed out after {timeout:g} s", "Timeout", time.perf_counter() - t0)
-                for b in budgets]
-    for line in reversed(r.stdout.splitlines()):
-        if line.startswith(MARK):
-            return json.loads(line[len(MARK):])
-    tail = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
-    msg = tail[-1] if tail else f"exit status {r.returncode}"
-    return [_lost_row(name, b, f"process died (exit status {r.returncode}): {msg}", "Crash",
-                      time.perf_counter() - t0) for b in budgets]
+    r = run_child("corpus", args, timeout)
+    if r.ok:
+        return r.value
+    if r.timed_out:
+        return [_lost_row(name, b, r.error, "Timeout", r.seconds) for b in budgets]
+    return [_lost_row(name, b, f"process died (exit status {r.returncode}): {r.error}", "Crash",
+                      r.seconds) for b in budgets]
 
 
 # -- report -----------------------------------------------------------------------------------
@@ -337,7 +330,7 @@ def main(argv) -> int:
         import warnings
         warnings.filterwarnings("ignore")
         rows = model_rows(a.one, fast=a.fast, time_budget=time_budget, max_states=max_states)
-        print(MARK + json.dumps(rows, default=str), flush=True)
+        send_result(rows)
         return 0
     names = a.models.split(",") if a.models else corpus_models.names()
     unknown = [n for n in names if n not in corpus_models.MODELS]

@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -32,6 +31,8 @@ from .. import zoo
 from ..capture import eager_step
 from ..program import trace
 from ..runtime.measure import measure_cpu, model_baseline, storage_bytes
+from ..snapshot import ModelSnapshot
+from ..timing import clear_grads, time_steps
 from ..verify import compare_models
 from .common import parser
 
@@ -71,33 +72,7 @@ class Device:
 
     def time(self, fn, reps: int = 7) -> float:
         """Median seconds of ``reps`` steps after one warm-up (CUDA events on GPU)."""
-        fn()
-        ts = []
-        for _ in range(reps):
-            if self.cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                ts.append(a.elapsed_time(b) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
-
-
-def _fresh_grads(model):
-    for p in model.parameters():
-        p.grad = None
-
-
-def _restore(model, state):
-    with torch.no_grad():
-        for k, v in model.state_dict(keep_vars=True).items():
-            v.copy_(state[k])
-    _fresh_grads(model)
+        return time_steps(fn, reps, warmup=1, cuda=self.cuda).step_s
 
 
 def run_tests(root: Path) -> dict:
@@ -135,10 +110,10 @@ def _simcheck_one(d: Device, name: str) -> dict:
     prog = trace(case.model, case.inputs, loss_fn=case.loss_fn)
     ref = copy.deepcopy(case.model)
     mod = prog.module()
-    state = {k: v.detach().clone() for k, v in case.model.state_dict(keep_vars=True).items()}
+    start = ModelSnapshot.of(case.model)
     torch.manual_seed(0)
     mod(*case.inputs)                       # warm-up: kernels, cuBLAS workspace
-    _restore(case.model, state)
+    start.restore()
     torch.manual_seed(0)
     peak, _, got = d.peak(lambda: mod(*case.inputs), model_baseline(case.model, case.inputs))
     torch.manual_seed(0)
@@ -150,6 +125,19 @@ def _simcheck_one(d: Device, name: str) -> dict:
             "max_abs_err": cmp.max_abs_err, "mismatches": cmp.mismatches[:3]}
 
 
+def _eager_time(d: Device, ref, inputs, loss_fn) -> float:
+    """Eager's step time, on a copy of ``ref`` (timing steps move BatchNorm stats),
+    freed on return."""
+    timer = copy.deepcopy(ref)
+    fresh = clear_grads(timer.parameters())
+
+    def eager():
+        fresh()
+        return eager_step(timer, inputs, loss_fn)
+
+    return d.time(eager)
+
+
 def compare(d: Device, name: str, size: str, time_budget: float) -> list[dict]:
     """Eager, then magis_nb at each budget, on one model."""
     from ..search.optimize import optimize
@@ -157,42 +145,36 @@ def compare(d: Device, name: str, size: str, time_budget: float) -> list[dict]:
     case = zoo.build(name, size, device=d.dev)
     model, inputs, loss_fn = case.model, case.inputs, case.loss_fn
     own = model_baseline(model, inputs)
-    state = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
+    start = ModelSnapshot.of(model)
 
     # Eager runs on a copy, which then holds the reference gradients and buffers.
     ref = copy.deepcopy(model)
     eager_step(ref, inputs, loss_fn)            # warm-up
-    _restore(ref, state)
+    start.restore(into=ref)
     torch.manual_seed(0)
     e_peak, e_res, want = d.peak(lambda: eager_step(ref, inputs, loss_fn),
                                  model_baseline(ref, inputs))
-    timer = copy.deepcopy(ref)                  # timing steps move BatchNorm stats
-
-    def eager():
-        _fresh_grads(timer)
-        return eager_step(timer, inputs, loss_fn)
-
-    e_time = d.time(eager)
-    del timer
+    e_time = _eager_time(d, ref, inputs, loss_fn)
     rows = [{"model": name, "size": size, "dtype": str(case.dtype).removeprefix("torch."),
              "strategy": "eager", "budget": None, "peak": e_peak, "reserved": e_res,
              "time": e_time, "peak_ratio": 1.0, "time_ratio": 1.0, "allclose": True}]
     t0 = time.perf_counter()
     res = optimize(model, inputs, loss_fn=loss_fn, mem_budget=min(BUDGETS), time_budget=time_budget)
     search_s = time.perf_counter() - t0
+    fresh_model = clear_grads(model.parameters())
     for b in BUDGETS:
         plan = res.select(mem_budget=b)
         mod = res.module
-        _restore(model, state)
+        start.restore()
         torch.manual_seed(0)
         mod(*inputs)                            # warm-up (pinned buffers, kernels)
-        _restore(model, state)
+        start.restore()
         torch.manual_seed(0)
         peak, reserved, got = d.peak(lambda: mod(*inputs), own)
         cmp = compare_models(ref, model, want, got, **TOL[case.dtype])
 
         def step():
-            _fresh_grads(model)
+            fresh_model()
             return mod(*inputs)
 
         t = d.time(step)
@@ -213,7 +195,7 @@ def compare(d: Device, name: str, size: str, time_budget: float) -> list[dict]:
             row.update(transfer_s=st.transfer_s, stall_s=st.stall_s, hidden=st.hidden,
                        copies=st.copies)
         rows.append(row)
-        _restore(model, state)
+        start.restore()
     return rows
 
 

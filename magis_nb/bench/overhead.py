@@ -15,7 +15,7 @@ around every ATen call instead (`clock_ops`, a TorchDispatchMode below autograd,
 the same on both sides). The profiler's per-event cost grows with its events,
 and eager has many more (autograd's nodes): it put eager BERT's op self time
 above its wall time. The clock is what found the program's slow dropout mask
-multiply (runtime/kernels.py, Note [applying a dropout mask]).
+multiply (magis_nb/kernels.py, Note [applying a dropout mask]).
 
 This is what a plan's measured time adds to its simulated one: the simulator
 prices the program as its ops timed alone.
@@ -33,8 +33,8 @@ from torch.utils._pytree import tree_leaves
 from .. import zoo
 from ..capture import eager_step
 from ..program import trace
+from ..timing import clear_grads, time_steps
 from .common import fixed_threads, parser, table, write_json
-from .timing import clear_grads, time_steps
 
 
 def profile_ops(fn, steps: int = 3) -> dict[tuple[str, str], tuple[float, int]]:

@@ -14,12 +14,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import tempfile
-import time
 
-from .common import fixed_threads, parser, table, write_json
+from .common import fixed_threads, parser, run_child, send_result, table, write_json
 from .peers_harness import Reference, Result, add_ratios, dominated, measure, pareto
 
 MODELS = ("unet", "gpt", "vit", "bert")
@@ -32,7 +28,7 @@ def _fmt(v, nd=3):
 
 
 def worker(a) -> int:
-    """One strategy (one setting key) on one model, in this process; JSON to --out."""
+    """One strategy (one setting key) on one model, in this process; its rows to the parent."""
     from .. import zoo
     from .peers_strategies import strategies
 
@@ -41,31 +37,19 @@ def worker(a) -> int:
     ref = Reference.of(case)
     runs = dict(strategies(a.magis_time, a.magis_points, a.backend)[a.one[1]])
     results = measure(case, a.one[1], runs[a.one[2]], a.reps, ref)
-    with open(a.out, "w") as f:
-        json.dump([r.row() for r in results], f)
+    send_result([r.row() for r in results])
     return 0
 
 
 def run_one(model: str, strat: str, key: str, a) -> list[Result]:
     """Run one strategy setting in a fresh process; a crash or timeout is a row too."""
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        out = f.name
-    cmd = [sys.executable, "-m", "magis_nb.bench", "peers", "--one", model, strat, key,
-           "--out", out, "--size", a.size, "--reps", str(a.reps), "--magis-time", str(a.magis_time),
-           "--magis-points", str(a.magis_points), "--backend", a.backend]
-    t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
-        if p.returncode == 0:
-            with open(out) as f:
-                return [Result(**r) for r in json.load(f)]
-        err = (p.stderr.strip().splitlines() or ["exit %d" % p.returncode])[-1]
-    except subprocess.TimeoutExpired:
-        err = f"timed out after {a.timeout} s"
-    finally:
-        os.unlink(out)
+    r = run_child("peers", ["--one", model, strat, key, "--size", a.size, "--reps", str(a.reps),
+                            "--magis-time", str(a.magis_time), "--magis-points", str(a.magis_points),
+                            "--backend", a.backend], a.timeout)
+    if r.ok:
+        return [Result(**row) for row in r.value]
     return [Result(model, strat, f"budget={key}" if strat == "compile" else "",
-                   error=f"{err} ({time.perf_counter() - t0:.0f} s)")]
+                   error=f"{r.error} ({r.seconds:.0f} s)")]
 
 
 def check(results: list[Result], tol: float) -> dict:
@@ -106,7 +90,6 @@ def main(argv) -> int:
                    help="run nothing: table, acceptance, plots (and --markdown) from --json")
     p.add_argument("--markdown", action="store_true", help="also print the table as Markdown")
     p.add_argument("--one", nargs=3, metavar=("MODEL", "STRATEGY", "KEY"), help=argparse_hidden())
-    p.add_argument("--out", help=argparse_hidden())
     a = p.parse_args(argv)
     if a.one:
         return worker(a)

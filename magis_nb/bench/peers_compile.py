@@ -196,7 +196,7 @@ def compile_plan(mod, backend: str = "inductor", log: dict | None = None, share_
     through `HostOps`; ``log`` receives its counts."""
     from torch._dynamo.backends.registry import lookup_backend
 
-    pools = list(getattr(mod, "_pools", []))
+    pools = list(mod.host_buffers)
     inner = lookup_backend(backend)
 
     def opaque_then(gm, example_inputs):
@@ -208,5 +208,5 @@ def compile_plan(mod, backend: str = "inductor", log: dict | None = None, share_
         return inner(gm, example_inputs)
 
     mod.copies = HostOps()
-    mod._fn = torch.compile(mod._fn, backend=opaque_then, fullgraph=True)
+    mod.step_fn = torch.compile(mod.step_fn, backend=opaque_then, fullgraph=True)
     return mod

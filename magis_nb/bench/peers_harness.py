@@ -26,8 +26,9 @@ from torch import nn
 
 from ..capture import eager_step
 from ..runtime.measure import measure_cpu, storage_bytes
+from ..snapshot import ModelSnapshot
+from ..timing import clear_grads, time_steps
 from ..verify import ATOL, RTOL
-from .timing import clear_grads, time_steps
 
 
 @dataclass
@@ -149,20 +150,6 @@ class Reference:
         return ok, err, bufs
 
 
-class _State:
-    """Parameters and buffers as they were before any step (restored before the check)."""
-
-    def __init__(self, params, buffers):
-        self.pairs = [(t, t.detach().clone()) for t in list(params) + list(buffers)]
-
-    def restore(self, params):
-        with torch.no_grad():
-            for t, v in self.pairs:
-                t.copy_(v)
-        for p in params:
-            p.grad = None
-
-
 def measure(case, strategy: str, make: Callable, reps: int = 7,
             ref: Reference | None = None) -> list[Result]:
     """Run ``make(case) -> [Candidate]`` and measure every candidate (see module doc)."""
@@ -177,7 +164,8 @@ def measure(case, strategy: str, make: Callable, reps: int = 7,
         r = Result(case.name, strategy, c.setting, prep_s=round(c.prep_s, 2), note=c.note,
                    extra=dict(c.extra))
         try:
-            state = _State(c.params, c.buffers)
+            # parameters and buffers as they were before any step (restored before the check)
+            state = ModelSnapshot.of_tensors(list(c.params) + list(c.buffers), c.params)
             against = None if strategy == "eager" else ref.eager()
             t = time_steps(c.step, reps, before=clear_grads(c.params),
                            ref=against and against[0], ref_before=against and clear_grads(against[1]))
@@ -186,20 +174,20 @@ def measure(case, strategy: str, make: Callable, reps: int = 7,
             if t.ratios:
                 r.time_ratio = round(t.ratio, 4)
                 r.time_ratio_q = [round(q, 4) for q in t.quartiles]
-            state.restore(c.params)
+            state.restore()
             base = live_before + storage_bytes(list(c.params) + list(c.buffers))
             torch.manual_seed(0)
             r.peak, loss = profiled_peak(c.step, base)
             r.allclose, r.max_err, r.buffers_close = ref.compare(loss, c.params, c.buffers)
             if c.forward is not None:
-                state.restore(c.params)
+                state.restore()
                 torch.manual_seed(0)
                 r.extra["saved_bytes"] = saved_bytes(c.forward)
             if c.trackable:
-                state.restore(c.params)
+                state.restore()
                 torch.manual_seed(0)
                 r.tracker_peak = measure_cpu(c.step, []).peak + base
-            state.restore(c.params)
+            state.restore()
         except Exception as e:
             r.error = f"{type(e).__name__}: {e}".strip()[:500]
         finally:

@@ -28,7 +28,8 @@ BLOCKS = {"unet": ("inc", "down.*", "dec.*"), "gpt": ("blocks.*",), "vit": ("blo
 COMPILE_BUDGETS = (1.0, 0.5, 0.2, 0.0)
 
 
-def _fresh(case) -> nn.Module:
+def fresh_copy(case) -> nn.Module:
+    """A deep copy of the case's model, without gradients."""
     m = copy.deepcopy(case.model)
     for p in m.parameters():
         p.grad = None
@@ -40,7 +41,7 @@ def _cand(setting, step, model, **kw) -> Candidate:
 
 
 def eager(case) -> list[Candidate]:
-    m = _fresh(case)
+    m = fresh_copy(case)
     return [_cand("", lambda: eager_step(m, case.inputs, case.loss_fn, "train"), m)]
 
 
@@ -74,7 +75,7 @@ def wrap_blocks(model: nn.Module, patterns) -> int:
 
 
 def checkpointed(case) -> list[Candidate]:
-    m = _fresh(case)
+    m = fresh_copy(case)
     params, buffers = list(m.parameters()), list(m.buffers())
     n = wrap_blocks(m, BLOCKS[case.name])
     step = lambda: eager_step(m, case.inputs, case.loss_fn, "train")  # noqa: E731
@@ -91,7 +92,7 @@ def compiled(budget: float, backend: str = "inductor"):
 
         fconfig.activation_memory_budget = budget
         iconfig.fallback_random = True  # dropout draws eager's masks (allclose is checkable)
-        m = _fresh(case)
+        m = fresh_copy(case)
         fn = torch.compile(LossModule(m, case.loss_fn), backend=backend)
 
         def step():
@@ -110,7 +111,7 @@ def rockmate(case) -> list[Candidate]:
     does not import or does not build a module on this machine."""
     from rockmate import Rockmate  # noqa: F401  (ImportError is the recorded reason)
 
-    m = _fresh(case)
+    m = fresh_copy(case)
     t0 = time.perf_counter()
     rk = Rockmate(m, case.inputs[:-1] if case.loss_fn else case.inputs, budget=None)
     prep = time.perf_counter() - t0
@@ -161,8 +162,11 @@ def magis(time_budget: float, points: int, lat_budget: float = 1.10, backend: st
         # Compiled plans keep every region whole: inductor re-plans a split
         # program's buffers across its parts (tiny GPT split in 8: 228 MB compiled
         # against 50 MB as generated, see `optimize(fission=...)`).
+        # swap=True: the plans are a GPU's, measured here on a stand-in (their
+        # host buffers are reported apart, as host_bytes); a CPU plan would not
+        # swap (Note [which memory] in search.report)
         res = optimize(case.model, case.inputs, loss_fn=case.loss_fn, lat_budget=lat_budget,
-                       time_budget=time_budget, fission=backend is None)
+                       time_budget=time_budget, fission=backend is None, swap=True)
         prep = time.perf_counter() - t0
         params, buffers = list(case.model.parameters()), list(case.model.buffers())
         out = []

@@ -26,6 +26,8 @@ from typing import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..snapshot import ModelSnapshot
+
 aten = torch.ops.aten
 SCALAR_OPS = (aten._local_scalar_dense.default, aten.item.default)
 
@@ -89,15 +91,13 @@ def record_scalars(run: Callable[[], object], model: torch.nn.Module, grad: bool
     back as they were: recording must not change the user's training. ``grad``:
     run with autograd on, as the export of a training step does (a forward may
     branch on ``torch.is_grad_enabled()``)."""
-    saved = {k: b.detach().clone() for k, b in model.named_buffers()}
+    buffers = ModelSnapshot.buffers_of(model)
     rec = _Recorder()
     try:
         with torch.random.fork_rng(devices=[]), torch.set_grad_enabled(grad), rec:
             run()
     finally:
-        with torch.no_grad():
-            for k, b in model.named_buffers():
-                b.copy_(saved[k])
+        buffers.restore()
     return rec.values
 
 

@@ -46,7 +46,7 @@ def _kernel_bytes(fn: fx.Node, val: torch.Tensor) -> int:
     return nbytes
 
 
-def _alias_arg(target, out_index: int) -> int | None:
+def alias_arg(target, out_index: int) -> int | None:
     """Which positional argument output ``out_index`` of ``target`` aliases."""
     if op_name(target) in _UNANNOTATED_VIEWS:
         return 0
@@ -69,7 +69,8 @@ def _alias_arg(target, out_index: int) -> int | None:
     return None
 
 
-def _ident(name: str, taken: set[str]) -> str:
+def unique_ident(name: str, taken: set[str]) -> str:
+    """``name`` made a valid Python identifier not in ``taken`` (and added to it)."""
     s = re.sub(r"\W", "_", name)
     if not s or s[0].isdigit() or keyword.iskeyword(s) or s in ("torch", "aten"):
         s = "v_" + s
@@ -115,7 +116,7 @@ def build_graph(cap: Captured) -> Graph:
         # one placeholder per distinct tensor: a tied weight is one input (Note [one
         # placeholder per parameter], capture/export.py)
         info = TensorInfo(tuple(val.shape), val.dtype, _storage_bytes(val))
-        node = Node(id=len(nodes), name=_ident(nm, taken), kind="input", target="input",
+        node = Node(id=len(nodes), name=unique_ident(nm, taken), kind="input", target="input",
                     outputs=[info], category=cat, role=role)
         nodes.append(node)
         ref_of[ph] = Ref(node.id, 0)
@@ -125,7 +126,7 @@ def build_graph(cap: Captured) -> Graph:
         if fn.op != "get_attr":
             continue
         val = getattr(cap.gm, fn.target)
-        node = Node(id=len(nodes), name=_ident("c" + fn.target, taken), kind="input",
+        node = Node(id=len(nodes), name=unique_ident("c" + fn.target, taken), kind="input",
                     target="input", outputs=[TensorInfo(tuple(val.shape), val.dtype,
                                                         _storage_bytes(val))],
                     category="buffer", role=("const", fn.target))
@@ -170,7 +171,7 @@ def build_graph(cap: Captured) -> Graph:
             if not isinstance(v, torch.Tensor):
                 outs.append(None)
                 continue
-            ai = _alias_arg(fn.target, i)
+            ai = alias_arg(fn.target, i)
             alias = None
             if ai is not None:
                 src = args[ai] if ai < len(args) else None
@@ -178,7 +179,7 @@ def build_graph(cap: Captured) -> Graph:
             outs.append(TensorInfo(tuple(v.shape), v.dtype,
                                    0 if alias is not None else _kernel_bytes(fn, v), alias,
                                    tuple(v.stride()), v.device.type))
-        node = Node(id=nid, name=_ident(fn.name, taken), kind="op", target=op_name(target),
+        node = Node(id=nid, name=unique_ident(fn.name, taken), kind="op", target=op_name(target),
                     op=target, args=args, kwargs=kwargs, outputs=outs,
                     rng=_is_rng(target, args, kwargs), multi=multi)
         nodes.append(node)

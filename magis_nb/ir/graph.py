@@ -14,7 +14,7 @@ are single nodes with several outputs; FX's getitem nodes are folded into refs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import rustworkx as rx
 
@@ -37,6 +37,16 @@ class TensorInfo:
     device: str | None = None       # device type as captured ("cpu", "cuda", "meta")
 
 
+class Region(NamedTuple):
+    """Where an op of a split fission region sits (``Node.region``). Part k of
+    n reads its slice of a split input with a ``narrow`` at ``k * chunk``; the code
+    generator turns parts that are identical op for op into a loop over k."""
+    rid: int        # the region's index among the regions applied
+    part: int       # k: the part this op belongs to, 0 <= k < parts
+    parts: int      # n: how many parts the region is split into
+    chunk: int = 0  # a narrow taking part k's slice: the slice length; 0 for other ops
+
+
 @dataclass
 class Node:
     id: int
@@ -53,7 +63,7 @@ class Node:
     rng: bool = False               # draws from the global RNG
     multi: bool = False             # returns a tuple/list (outputs unpacked)
     deps: tuple = ()                # extra predecessors (ordering only, no data)
-    region: tuple = ()              # fission: (region id, part k) of an op in a split region
+    region: Region | tuple = ()     # fission: the op's place in a split region; () outside one
 
 
 def iter_refs(obj) -> list[Ref]:

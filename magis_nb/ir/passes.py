@@ -52,7 +52,7 @@ import math
 
 import torch
 
-from .build import _ident
+from .build import unique_ident
 from .graph import Graph, Node, Ref, TensorInfo, iter_refs, remap_refs
 
 aten = torch.ops.aten
@@ -73,7 +73,7 @@ class Rewriter:
 
     def add(self, name, target, op, args, kwargs, outputs, category, *, rng=False, keep_name=False) -> int:
         nid = len(self.nodes)
-        nm = name if keep_name else _ident(name, self.taken)
+        nm = name if keep_name else unique_ident(name, self.taken)
         self.nodes.append(Node(nid, nm, "op", target, op, tuple(args), dict(kwargs), outputs,
                                category, rng=rng))
         return nid

@@ -34,6 +34,7 @@ class MagisFlags:
     plot: bool = True
     algebra: bool = True
     measured: bool = False             # the latency budget holds for measured wall time
+    swap: bool | None = None           # None: optimize's default (swaps only for a GPU)
 
 
 def parse_mem(text: str | None) -> float | int | None:
@@ -112,6 +113,8 @@ def from_args(args) -> MagisFlags:
         raise UsageError("give --mem or --lat, not both: a memory budget picks the fastest "
                          "plan under it, a latency budget the lowest peak within it")
     profile = check_profile(args.profile)
+    if args.swap and args.no_swap:
+        raise UsageError("give --swap or --no-swap, not both")
     if args.measured:
         if args.mem is not None:
             raise UsageError("--measured times plans against a latency budget: use it with "
@@ -133,4 +136,5 @@ def from_args(args) -> MagisFlags:
         plot=not args.no_plot,
         algebra=not args.no_algebra,
         measured=args.measured,
+        swap=True if args.swap else False if args.no_swap else None,
     )

@@ -43,6 +43,11 @@ class MagisMagics(Magics):
     @argument("--no-algebra", dest="no_algebra", action="store_true",
               help="no algebraic rewrites (merged matmuls, moved scales): the plan's "
               "ops stay those of the model")
+    @argument("--no-swap", dest="no_swap", action="store_true",
+              help="no swapping to host memory (the default on a CPU without a GPU --profile: "
+              "host and device memory are the same RAM there)")
+    @argument("--swap", action="store_true",
+              help="allow swapping to host memory (the default on a GPU or with a GPU --profile)")
     @argument("--measured", action="store_true",
               help="the latency budget (--lat, default 1.1) holds for wall time measured "
               "against eager PyTorch here: plans of the Pareto front are timed (at most 6)")
@@ -79,7 +84,7 @@ class MagisMagics(Magics):
             result = optimize(found.model, found.inputs, loss_fn=found.loss_fn, mode=args.mode,
                               mem_budget=args.mem, lat_budget=args.lat, time_budget=args.time,
                               device_profile=args.profile, progress=progress,
-                              algebra=args.algebra)
+                              algebra=args.algebra, swap=args.swap)
         except CaptureError as e:
             if progress is not None:
                 progress.close(failed="capture failed")
@@ -113,13 +118,12 @@ class MagisMagics(Magics):
         from IPython.display import display
         from .plots import pareto_figure, show_png, timeline_figure
         from .progress import in_kernel
-        from .render import summary_table
         r = session.result
         if in_kernel(self.shell):
             display({"text/html": r._repr_html_(), "text/plain": repr(r)}, raw=True)
         else:
             print(r.message)
-            print(summary_table(r))
+            print(r.table())
         print(f"bound: {session.name} (module), {session.result_name} (result)"
               + ("; interrupted, best plan so far" if r.interrupted else ""))
         if plot:
@@ -154,10 +158,9 @@ class MagisMagics(Magics):
             raise UsageError("%magis_budget takes a memory budget or --lat, not both")
         session.reselect(mem_budget=mem, lat_budget=lat)
         if not args.quiet:
-            from .render import summary_table
             r = session.result
             print(r.message)
-            print(summary_table(r))
+            print(r.table())
             print(f"bound: {session.name}")
 
     def _session(self, name: str | None) -> Session:

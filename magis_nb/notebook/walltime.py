@@ -2,7 +2,7 @@
 
 `plan_timer` returns the ``measure`` that `OptimizeResult.fit_measured` takes:
 the median per-pair ratio of a plan module's step to eager PyTorch's step on a
-copy of the model, the two alternating (`bench.timing.time_steps`). A plan's
+copy of the model, the two alternating (`timing.time_steps`). A plan's
 step trains the user's model (gradients, BatchNorm statistics) and draws from
 the RNG; all of it is put back after every timing, so the model is left as the
 cell defined it.
@@ -16,29 +16,9 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
-from ..bench.timing import clear_grads, time_steps
 from ..capture import eager_step, split_call
-
-
-class _Snapshot:
-    """Parameters, buffers, gradients and RNG state of a model, to put back."""
-
-    def __init__(self, model: nn.Module, cuda: bool):
-        self.model, self.cuda = model, cuda
-        self.state = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
-        self.grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
-        self.rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if cuda else None
-
-    def restore(self) -> None:
-        with torch.no_grad():
-            for k, v in self.model.state_dict(keep_vars=True).items():
-                v.copy_(self.state[k])
-        for p, g in zip(self.model.parameters(), self.grads):
-            p.grad = g
-        torch.set_rng_state(self.rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
+from ..snapshot import ModelSnapshot
+from ..timing import clear_grads, time_steps
 
 
 def plan_timer(model: nn.Module, inputs, loss_fn: Callable | None, mode: str,
@@ -61,7 +41,7 @@ def plan_timer(model: nn.Module, inputs, loss_fn: Callable | None, mode: str,
         sync()
 
     def measure(mod: nn.Module) -> float:
-        snap = _Snapshot(model, cuda)
+        snap = ModelSnapshot.of(model, grads=True, rng=True, cuda=cuda)
         try:
             t = time_steps(lambda: step(mod), reps, before=clear_grads(model.parameters()),
                            ref=ref, ref_before=clear_grads(eager.parameters()))

@@ -13,10 +13,10 @@ from typing import Sequence
 
 import torch
 
-from ..ir.graph import Graph, Ref, iter_refs
+from ..ir.graph import Graph, Ref, Region, iter_refs
+from ..kernels import SUBSTITUTES, namespace
 from ..rules.swap import swap_ops
 from .copies import SYNC
-from .kernels import SUBSTITUTES, namespace
 
 _counter = itertools.count()
 
@@ -54,7 +54,7 @@ def _call(g: Graph, nid: int) -> str:
     ns, rest = n.target.split(".", 1)
     fn = f"{ns}.{rest}" if ns == "aten" else f"torch.ops.{n.target}"
     if n.target in SUBSTITUTES:
-        fn = SUBSTITUTES[n.target][0]   # the same result, faster (runtime.kernels)
+        fn = SUBSTITUTES[n.target][0]   # the same result, faster (magis_nb.kernels)
     parts = [_render(g, a) for a in n.args]
     parts += [f"{k}={_render(g, v)}" for k, v in n.kwargs.items()]
     return f"{fn}({', '.join(parts)})"
@@ -151,7 +151,7 @@ def _line(g: Graph, nid: int, loop_var: bool = False, swaps: _Swaps | None = Non
     if special is not None:
         return f"{lhs} = {special}"
     call = _call(g, nid)
-    if loop_var and n.target == "aten.narrow.default" and len(n.region) == 4 and n.region[3]:
+    if loop_var and n.target == "aten.narrow.default" and isinstance(n.region, Region) and n.region.chunk:
         # part k of a fission loop reads its slice at k * chunk
         src, dim, _, c = n.args
         call = f"aten.narrow.default({_render(g, src)}, {dim}, _k * {c}, {c})"
@@ -164,9 +164,9 @@ def _loop_at(g: Graph, order: Sequence[int], i: int, sizes: dict[int, int]):
     """(parts, part length) when order[i:] starts a fission region whose parts are
     contiguous and identical op for op, so it can be emitted as a loop."""
     reg = g.nodes[order[i]].region
-    if len(reg) != 4 or reg[1] != 0:
+    if not isinstance(reg, Region) or reg.part != 0:
         return None
-    rid, _, n, _ = reg
+    rid, n = reg.rid, reg.parts
     total = sizes[rid]
     if total % n or i + total > len(order):
         return None
@@ -203,7 +203,7 @@ def _part_signature(g: Graph, part: Sequence[int]) -> list:
     for v in part:
         n = g.nodes[v]
         args = list(n.args)
-        if n.target == "aten.narrow.default" and len(n.region) == 4 and n.region[3]:
+        if n.target == "aten.narrow.default" and isinstance(n.region, Region) and n.region.chunk:
             args[2] = None
         sig.append((n.target, norm(tuple(args)), norm(n.kwargs)))
     return sig
@@ -226,8 +226,8 @@ def generate(g: Graph, order: Sequence[int], fn_name: str = "step") -> str:
     dels, _ = _lastuse(g, order)
     sizes: dict[int, int] = {}
     for n in g.ops:
-        if len(n.region) == 4:
-            sizes[n.region[0]] = sizes.get(n.region[0], 0) + 1
+        if isinstance(n.region, Region):
+            sizes[n.region.rid] = sizes.get(n.region.rid, 0) + 1
     swaps = _Swaps(g, order)
     params = ", ".join(["_dev"] + [n.name for n in g.inputs] + (["*", "_io=_SYNC"] if swaps.any else []))
     lines = [f"def {fn_name}({params}):"]
@@ -246,7 +246,7 @@ def generate(g: Graph, order: Sequence[int], fn_name: str = "step") -> str:
             continue
         n, L = loop
         lastpart = {order[i + (n - 1) * L + t]: order[i + t] for t in range(L)}
-        lines.append(f"    # fission region {g.nodes[order[i]].region[0]}: {L} ops, {n} parts")
+        lines.append(f"    # fission region {g.nodes[order[i]].region.rid}: {L} ops, {n} parts")
         lines.append(f"    for _k in range({n}):")
         for t in range(L):
             if swaps.after.get(order[i + t]) or swaps.call(g, order[i + t]) is not None:

@@ -29,6 +29,14 @@ class OptimizedModule(nn.Module):
     elsewhere they are synchronous. ``timed_copies=True`` times every transfer
     and wait (CUDA events; the host clock on the CPU, where every copy is a
     wait); `transfer_stats()` then reports the steps' since its last call.
+
+    ``code`` is the generated program's source and ``step_fn`` the function it
+    defines, ``step_fn(device, *tensors, _io=copies)``: parameters, buffers,
+    inputs, lifted constants and ``host_buffers``, in that order, to the
+    program's flat outputs. Assigning another function there (before a step)
+    runs the same program another way: compiled by inductor
+    (bench/peers_compile.py) or instrumented (search/divergence.py).
+    ``host_buffers`` are the host tensors swapped values live in.
     """
 
     def __init__(self, model: nn.Module, cap: Captured, graph: Graph,
@@ -38,7 +46,7 @@ class OptimizedModule(nn.Module):
         self.mode = cap.mode
         self.order = list(order)
         self.code = source if source is not None else generate(graph, self.order)
-        self._fn = compile_source(self.code)
+        self.step_fn = compile_source(self.code)
         self._param_names = list(cap.param_names)
         self._buffer_names = list(cap.buffer_names)
         self._input_meta = list(cap.input_meta)
@@ -56,8 +64,8 @@ class OptimizedModule(nn.Module):
         # strides of the tensors they hold: views of a loaded copy were traced
         # against those (DESIGN.md §11 "Layout is semantics").
         pin = torch.cuda.is_available()
-        self._pools = [host_buffer(n.outputs[0].shape, n.outputs[0].stride, n.outputs[0].dtype, pin)
-                       for n in pool_inputs(graph)]
+        self.host_buffers = [host_buffer(n.outputs[0].shape, n.outputs[0].stride,
+                                         n.outputs[0].dtype, pin) for n in pool_inputs(graph)]
         stores, loads = swap_ops(graph)
         self._n_loads = len(loads) if stores else 0
         self._swaps = bool(stores)
@@ -95,7 +103,7 @@ class OptimizedModule(nn.Module):
     def host_bytes(self) -> int:
         """Bytes of the host buffers swapped tensors live in between Store and Load:
         host memory on a GPU; on the CPU the same RAM as everything else."""
-        return sum(p.untyped_storage().nbytes() for p in self._pools)
+        return sum(p.untyped_storage().nbytes() for p in self.host_buffers)
 
     def resident(self) -> list[torch.Tensor]:
         """Tensors the module itself keeps between steps on the compute device (the
@@ -132,7 +140,7 @@ class OptimizedModule(nn.Module):
         dev = inputs[0].device
         args += list(inputs)
         args += self._constants(dev)
-        args += self._pools
+        args += self.host_buffers
         # The capture recorded autocast's casts as ops of the program: run it as
         # recorded, not autocast a second time (a user's `with torch.autocast`).
         amp = torch.autocast(dev.type, enabled=False) if dev.type in ("cpu", "cuda") \
@@ -140,9 +148,9 @@ class OptimizedModule(nn.Module):
         with torch.no_grad(), amp:
             if self._swaps:
                 self._last_dev = dev
-                outs = self._fn(dev, *args, _io=self._io(dev))
+                outs = self.step_fn(dev, *args, _io=self._io(dev))
             else:
-                outs = self._fn(dev, *args)
+                outs = self.step_fn(dev, *args)
         del args
         if self.mode == "infer":
             leaves = [o.clone() if c else o for o, c in zip(outs, self._clone_out)]

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from magis_nb.simulate.memory import MemGraph
 
-from .narrow_waist import _topo, anc_des
+from .narrow_waist import anc_des, topo_order
 
 
 def order_lower_bound(g: MemGraph) -> int:
     if g.n == 0:
         return sum(s.size for s in g.storages)
-    topo = _topo(g, list(range(g.n)), None, None)
+    topo = topo_order(g, list(range(g.n)), None, None)
     pos = {v: i for i, v in enumerate(topo)}
     anc, des = anc_des(g, topo)
     full = (1 << g.n) - 1

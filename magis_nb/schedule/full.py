@@ -8,7 +8,7 @@ from typing import Sequence
 from magis_nb.simulate.memory import MemGraph, peak_memory
 
 from .dp import STATE_BUDGET, BlockCache, solve_blocks
-from .narrow_waist import _topo, graph_partition
+from .narrow_waist import graph_partition, topo_order
 
 
 @dataclass
@@ -46,7 +46,7 @@ def default_order(g: MemGraph) -> list[int]:
     ident = list(range(g.n))
     if all(p < v for v in ident for p in g.preds[v]):
         return ident
-    return _topo(g, ident, None, None)
+    return topo_order(g, ident, None, None)
 
 
 def schedule(g: MemGraph, *, method: str = "dp", hint: Sequence[int] | None = None,

@@ -32,7 +32,7 @@ from magis_nb.simulate.memory import MemGraph, peak_memory
 
 from .dp import STATE_BUDGET, BlockCache, solve_blocks
 from .full import Schedule, schedule
-from .narrow_waist import _topo, graph_partition, nw_values
+from .narrow_waist import graph_partition, nw_values, topo_order
 
 MAX_STEPS, STOP, WAIST = 20, 10, 4
 FLIPS = 2          # new ops whose placement is tried both ways
@@ -162,7 +162,7 @@ def reschedule(new_g: MemGraph, old_order: Sequence[str], touched: Iterable[str]
     if not pos:
         pos = [len(seq) - 1]
     intervals = get_reschedule_intervals(nws, pos, **bound_kw)
-    topo_new = _topo(new_g, new_ops, set(new_ops), None)
+    topo_new = topo_order(new_g, new_ops, set(new_ops), None)
     alloc = [0] * new_g.n
     for s in new_g.storages:
         if s.producer >= 0:
@@ -238,7 +238,7 @@ def _solve(g, seq, unit, blocks, n_units, hint, budget, cache):
 
 def _local_hint(g, ops, hint):
     """A topological order of an interval by the hint keys."""
-    return _topo(g, list(ops), set(ops), {v: hint[v] for v in ops})
+    return topo_order(g, list(ops), set(ops), {v: hint[v] for v in ops})
 
 
 def _new_op_keys(g, seq, topo_new, alloc):

@@ -36,9 +36,10 @@ MERGE = 24       # merge consecutive blocks up to this many ops
 WIDE = 64        # a light op unrelated to at most this many ops (|V|/16 if smaller) stays core
 
 
-def _topo(g: MemGraph, nodes: list[int], inset: set[int] | None,
-          key: Sequence[int] | None) -> list[int]:
-    """Kahn's order of the induced subgraph, ties by ``key`` (a hint position)."""
+def topo_order(g: MemGraph, nodes: list[int], inset: set[int] | None,
+               key: Sequence[int] | None) -> list[int]:
+    """Kahn's order of ``nodes``, ties by ``key`` (a hint position; None: op index).
+    Only predecessors in ``inset`` count (None: every predecessor)."""
     import heapq
     k = key if key is not None else range(g.n)
     indeg = {v: 0 for v in nodes}
@@ -88,7 +89,7 @@ def nw_values(g: MemGraph, nodes: Iterable[int] | None = None) -> dict[int, int]
     """nw(v) of every op in ``nodes`` (default: all), within the induced subgraph."""
     nodes = list(range(g.n)) if nodes is None else sorted(nodes)
     inset = None if len(nodes) == g.n else set(nodes)
-    topo = _topo(g, nodes, inset, None)
+    topo = topo_order(g, nodes, inset, None)
     anc, des = anc_des(g, topo)
     n = len(topo)
     return {v: n - anc[i].bit_count() - des[i].bit_count() - 1
@@ -117,7 +118,7 @@ def _components(g: MemGraph, nodes: list[int], inset: set[int]) -> list[list[int
 
 def _split_component(g, comp, key, light, cut):
     inset = set(comp)
-    topo = _topo(g, comp, inset, key)
+    topo = topo_order(g, comp, inset, key)
     anc, des = anc_des(g, topo)
     n = len(topo)
     na = [a.bit_count() for a in anc]

@@ -48,12 +48,12 @@ def recorded_values(module, run: Callable[[], object], keep: Callable = None
             lines.append(f"{m.group(1)}_rec({names!r}, ({', '.join(names)},))")
     fn = compile_source("\n".join(lines) + "\n")
     fn.__globals__["_rec"] = rec
-    orig = module._fn
-    module._fn = fn
+    orig = module.step_fn
+    module.step_fn = fn
     try:
         run()
     finally:
-        module._fn = orig
+        module.step_fn = orig
     return seen, where
 
 

@@ -15,8 +15,9 @@ from ..runtime import OptimizedModule
 from ..simulate.cost import make_cost
 from ..simulate.memory import simulate_memory
 from ..simulate.profiles import profile_names
-from .algorithm import Objective, _pareto_add, search
-from .result import OptimizeResult, Plan, Progress, Region, Timeline
+from .algorithm import search
+from .objective import Objective, pareto_add
+from .result import MeasuredMemory, OptimizeResult, Plan, Progress, Region, Timeline
 from .safety import PlanError, SafetyNet
 from .space import Space, State
 from .transfers import swap_ops
@@ -96,6 +97,13 @@ class _Builder:
                 g, batches = self.space.build(plan, hi.state.batches)
                 out.append(self.plan_of(self.space.evaluate(plan, batches, g)))
         return out
+
+    def measured(self, plan: Plan) -> MeasuredMemory | None:
+        """``plan``'s step as the safety net measured it, or None (not run)."""
+        got = self.safety.measured.get(id(plan.state)) if self.safety is not None else None
+        if got is None:
+            return None
+        return MeasuredMemory(self.safety.ref.eager_peak, *got)
 
     def module(self, plan: Plan) -> nn.Module:
         st = plan.state
@@ -247,6 +255,14 @@ def _should_verify(verify: bool | None, model: nn.Module, inputs, peak: int) -> 
     return True
 
 
+def _device_of(model: nn.Module, inputs) -> str:
+    """Where the step runs: the inputs' device type (else the parameters')."""
+    for t in list(tree_leaves(inputs)) + list(model.parameters()):
+        if isinstance(t, torch.Tensor):
+            return t.device.type
+    return "cpu"
+
+
 def _low_precision(g) -> bool:
     """bf16/fp16 anywhere in the step (such parameters, or autocast regions)."""
     low = (torch.bfloat16, torch.float16)
@@ -258,7 +274,8 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
              time_budget: float = 60.0, device_profile=None, seed: int = 0,
              progress: Callable[[Progress], object] | None = None,
              max_states: int | None = None, algebra: bool = True,
-             fission: bool = True, verify: bool | None = None) -> OptimizeResult:
+             fission: bool = True, swap: bool | None = None,
+             verify: bool | None = None) -> OptimizeResult:
     """Capture ``model``'s step on ``inputs`` and search for a plan within a budget.
 
     ``mem_budget``: a ratio of the unoptimized peak (<= 16) or bytes: the fastest
@@ -276,6 +293,12 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
     for a program that `torch.compile` will compile, which does not keep a
     split program's memory (see `bench.peers_compile`).
 
+    ``swap`` (default: only when planning for a GPU: CUDA inputs or a GPU
+    ``device_profile``) lets plans park activations in host memory. On the CPU,
+    host and device memory are the same RAM and a swap saves the process
+    nothing, so CPU plans use fission, recomputation and re-ordering alone;
+    ``swap=True`` allows swaps there too (Note [which memory] in `search.report`).
+
     ``verify`` (default: wherever eager's step fits next to the plan's) runs the
     chosen plan once on ``inputs`` against an eager step and never returns one
     that raises or differs: the next plan of the front is taken and the failure
@@ -291,6 +314,9 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
         raise ValueError(f"mode must be 'train' or 'infer', not {mode!r}")
     t0 = time.perf_counter()
     cost, async_copies, label = _cost_model(device_profile, inputs)   # bad names fail fast
+    # a device with its own memory and copy engines beside it: a GPU, or a GPU
+    # profile planned from this machine (`async_copies`); see Note [which memory]
+    swap = async_copies if swap is None else bool(swap)
     try:
         program = trace(model, inputs, loss_fn=loss_fn, mode=mode)
     except CaptureError:
@@ -299,7 +325,8 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
         raise CaptureError(_bug("building the program from the captured graph", e)) from e
     t_capture = time.perf_counter()
     try:
-        space = Space(program, cost, async_copies=async_copies, algebra=algebra, fission=fission)
+        space = Space(program, cost, async_copies=async_copies, algebra=algebra,
+                      fission=fission, swap=swap)
         # The program as PyTorch runs it: its order, nothing applied.
         g = program.graph
         base_order = program.to_node_order(program.program_order())
@@ -339,10 +366,11 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
                             f"{e}); the plans cannot be checked against it: fix the model or "
                             "pass verify=False") from e
     builder = _Builder(model, space, before, label, safety)
-    front = _pareto_add(list(log.pareto), before)
+    front = pareto_add(list(log.pareto), before)
     res = OptimizeResult(mode, None, None, None, builder.plan_of(before), None,
                          [builder.plan_of(s) for s in front], False, "", label,
                          time.perf_counter() - t0, log.states, log.interrupted, builder)
+    res.device, res.swap = _device_of(model, inputs), swap
     res.timings = {"capture": t_capture - t0, "analysis": t_analysis - t_capture,
                    "search": log.seconds}
     builder.select(res, mem_budget, lat_budget)

@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 import torch.nn as nn
 
+from .report import result_html, summary_table
+
 
 @dataclass(frozen=True)
 class Region:
@@ -58,6 +60,21 @@ class Plan:
     def __repr__(self) -> str:
         return (f"Plan(peak={self.peak / 2**20:.2f} MiB, latency={self.latency * 1e3:.3f} ms, "
                 f"{self.applied})")
+
+
+@dataclass(frozen=True)
+class MeasuredMemory:
+    """One step of the chosen plan, measured when the safety net ran it, next to
+    eager PyTorch's step (the CPU storage tracker: tensors the step allocates
+    beyond the weights and inputs; Note [which memory] in `search.report`)."""
+    eager_peak: int          # eager PyTorch's step
+    peak: int                # the plan's step: the device's tensors (a stand-in on the CPU)
+    host_bytes: int          # the plan module's host buffers for swapped tensors
+
+    @property
+    def process_peak(self) -> int:
+        """What the process holds at the plan's peak, host buffers included."""
+        return self.peak + self.host_bytes
 
 
 @dataclass
@@ -110,7 +127,7 @@ class OptimizeResult:
     seconds: float                  # optimize() in all: capture, analysis, search
     states: int                     # states explored
     interrupted: bool = False       # stopped by KeyboardInterrupt: best so far returned
-    _builder: Any = None            # the search's program (internal): builds modules/timelines
+    builder: Any = None             # the search's program: builds modules, timelines, plans
     _modules: dict = field(default_factory=dict)
     # seconds spent in each phase: "capture" (export and IR), "analysis" (D-Graph,
     # F-Tree, the unoptimized plan's costs), "search" (time_budget bounds this one)
@@ -123,6 +140,8 @@ class OptimizeResult:
     # fit_measured: plans it built between two adjacent plans of the front (same
     # region, the n's in between), by increasing n
     refined: list = field(default_factory=list)
+    device: str = "cpu"             # where the inputs live: "cpu" | "cuda" | "meta"
+    swap: bool = False              # plans could swap (Note [which memory] in `search.report`)
 
     # -- picking another plan -------------------------------------------------------
     def select(self, mem_budget: float | int | None = None,
@@ -135,7 +154,7 @@ class OptimizeResult:
         within it, or the fastest plan when none fits. Updates ``plan``, ``met``,
         ``message``, ``budget*`` and returns the plan.
         """
-        return self._builder.select(self, mem_budget, lat_budget)
+        return self.builder.select(self, mem_budget, lat_budget)
 
     def fit_measured(self, measure: Callable[[nn.Module], float], lat_budget: float,
                      tries: int = 6) -> Plan:
@@ -166,7 +185,7 @@ class OptimizeResult:
         ratios: dict[int, float] = {}
 
         def measured_plan(p: Plan) -> float:
-            if id(p) not in ratios and self._builder.rejects(self, p):
+            if id(p) not in ratios and self.builder.rejects(self, p):
                 ratios[id(p)] = float("inf")    # failed its check against eager: never chosen
             if id(p) not in ratios:
                 ratios[id(p)] = float(measure(self.module_for(p)))
@@ -202,7 +221,7 @@ class OptimizeResult:
             if over >= 0 and ok - over == 1 and len(self.fits) < tries:
                 # largest n that fits among the splits in between (measured time
                 # rises with n): -1 stands for front[ok], len for front[over]
-                self.refined = self._builder.between(front[ok], front[over])
+                self.refined = self.builder.between(front[ok], front[over])
                 good, _ = bisect(self.refined, -1, len(self.refined))
                 if good >= 0:
                     plan = self.refined[good]
@@ -229,7 +248,7 @@ class OptimizeResult:
     def module_for(self, plan: Plan) -> nn.Module:
         key = id(plan)
         if key not in self._modules:
-            self._modules[key] = self._builder.module(plan)
+            self._modules[key] = self.builder.module(plan)
         return self._modules[key]
 
     def drop_module(self, plan: Plan) -> None:
@@ -244,7 +263,7 @@ class OptimizeResult:
         return self.module.code
 
     def timeline(self, plan: Plan | None = None) -> Timeline:
-        return self._builder.timeline(plan or self.plan)
+        return self.builder.timeline(plan or self.plan)
 
     @property
     def mem_ratio(self) -> float:
@@ -267,6 +286,16 @@ class OptimizeResult:
                 f"{self.plan.peak / 2**20:.2f} MiB, latency x{self.lat_ratio:.3f}, "
                 f"{len(self.pareto)} Pareto plans, {self.states} states in {self.seconds:.1f} s)")
 
+    @property
+    def measured(self) -> MeasuredMemory | None:
+        """The chosen plan's step measured next to eager's (None: not run, as with
+        ``verify=False`` or on the meta device)."""
+        return self.builder.measured(self.plan) if self.builder is not None else None
+
+    def table(self) -> str:
+        """Before/after as a Markdown table, with which memory its peaks are and
+        the measured peaks (what the quick-start prints)."""
+        return summary_table(self)
+
     def _repr_html_(self) -> str:
-        from ..notebook.render import result_html
         return result_html(self)

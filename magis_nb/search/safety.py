@@ -69,6 +69,9 @@ class SafetyNet:
         with torch.random.fork_rng(devices=[]):
             self.ref = Reference(model, inputs, loss_fn, mode, seed)
         self.done: dict[int, PlanFailure | None] = {}
+        # key -> (measured peak of the plan's step, its module's host buffers), for
+        # the plans that passed: what `OptimizeResult.measured` reports
+        self.measured: dict[int, tuple[int, int]] = {}
 
     def check(self, key: int, label: str, module: nn.Module | Callable[[], nn.Module],
               baseline: Callable[[], nn.Module] | None = None) -> PlanFailure | None:
@@ -87,6 +90,8 @@ class SafetyNet:
             cmp = res.comparison
             fail = None if cmp.allclose else PlanFailure(
                 label, "differs from eager", "; ".join(cmp.mismatches[:4]), module.code)
+            if fail is None:
+                self.measured[key] = (res.measured_peak, getattr(module, "host_bytes", 0))
             if fail is not None and baseline is not None:
                 first = self._first_divergence(baseline(), module)
                 if first:

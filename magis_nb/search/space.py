@@ -142,10 +142,10 @@ class Space:
     """Builds and evaluates states of one captured program."""
 
     def __init__(self, program: Program, cost, *, async_copies: bool, levels: int = 4,
-                 algebra: bool = True, fission: bool = True):
+                 algebra: bool = True, fission: bool = True, swap: bool = True):
         self.program = program
         self.algebra = algebra      # kill switch for the merge/sink rules (proposals)
-        self._algebra: dict[tuple, list] = {}
+        self.swap = swap            # kill switch for swapping (pricing.ranked)
         self.base = program.graph
         self.costs = _CostTable(cost, sync_copies=not async_copies)
         self.blocks = BlockCache()  # a child's blocks are mostly its parent's

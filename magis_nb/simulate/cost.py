@@ -49,7 +49,8 @@ def make_cost(spec: "str | CostModel" = "roofline:rtx3090", **kwargs) -> CostMod
 
 # -- shapes and bytes ----------------------------------------------------------
 
-def _node(graph: Graph, node: Node | int) -> Node:
+def node_of(graph: Graph, node: Node | int) -> Node:
+    """``node`` itself, or the node of that id."""
     return graph.nodes[node] if isinstance(node, int) else node
 
 
@@ -62,7 +63,8 @@ def _itemsize(dtype) -> int:
     return int(size) if size is not None else 4
 
 
-def _dtype_name(dtype) -> str:
+def dtype_name(dtype) -> str:
+    """``torch.float32`` -> ``"float32"``."""
     return str(dtype).replace("torch.", "")
 
 
@@ -106,7 +108,7 @@ def is_free(node: Node) -> bool:
 
 def op_bytes(graph: Graph, node: Node | int) -> int:
     """Bytes the op moves: distinct inputs read + outputs written (0 when free)."""
-    n = _node(graph, node)
+    n = node_of(graph, node)
     if is_free(n):
         return 0
     ins = sorted(set(iter_refs((n.args, n.kwargs))))
@@ -184,7 +186,7 @@ def op_flops(graph: Graph, node: Node | int) -> int:
     SDPA forward two matmuls, backward four; everything else ~1 FLOP per element
     processed (the larger of output elements and the largest input).
     """
-    n = _node(graph, node)
+    n = node_of(graph, node)
     if is_free(n):
         return 0
     a, t = n.args, n.target
@@ -244,10 +246,10 @@ class RooflineCost:
         return self.profile.name != "cpu"
 
     def op_cost(self, graph: Graph, node: Node | int) -> float:
-        n = _node(graph, node)
+        n = node_of(graph, node)
         if is_free(n):
             return 0.0
-        dt = _dtype_name(_main_dtype(graph, n))
+        dt = dtype_name(_main_dtype(graph, n))
         if self.tf32 and dt == "float32" and _is_matmul_like(n.target):
             dt = "tfloat32"
         p = self.profile

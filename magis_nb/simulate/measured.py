@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Sequence
 
 from ..ir.graph import Graph, Node, Ref
-from ..runtime.kernels import SUBSTITUTES, callable_for
-from .cost import CostModel, RooflineCost, _dtype_name, _node
+from ..kernels import SUBSTITUTES, callable_for
+from ..timing import call_seconds
+from .cost import CostModel, RooflineCost, dtype_name, node_of
 from .profiles import get_profile
 
 
@@ -140,7 +141,7 @@ class MeasuredCost:
             if isinstance(o, Ref):
                 t = graph.tensor(o)
                 st = list(t.stride) if t.stride is not None else None
-                return ["T", list(t.shape), _dtype_name(t.dtype), st]
+                return ["T", list(t.shape), dtype_name(t.dtype), st]
             if isinstance(o, (list, tuple)):
                 return [enc(x) for x in o]
             if isinstance(o, dict):
@@ -153,7 +154,7 @@ class MeasuredCost:
                 return o
             return repr(o)
 
-        # a node the program runs through a substitute (runtime.kernels) is timed
+        # a node the program runs through a substitute (magis_nb.kernels) is timed
         # as that: its own key, so no timing of the ATen op is reused for it
         sub = SUBSTITUTES.get(n.target)
         name = n.target if sub is None else f"{n.target}:{sub[0]}"
@@ -228,25 +229,11 @@ class MeasuredCost:
                     torch.cuda.synchronize(self.device)
                 first = time.perf_counter() - t0
                 reps = self.reps if first < 0.1 else 1
-                ts = [self._once(fn, args, kwargs) for _ in range(reps)]
+                ts = [call_seconds(fn, args, kwargs, cuda=self.cuda) for _ in range(reps)]
             except Exception:                  # noqa: BLE001 -- any failure: fall back
                 return None
         self.timed += 1
         return statistics.median(ts)
-
-    def _once(self, fn, args, kwargs) -> float:
-        if self.cuda:
-            import torch
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn(*args, **kwargs)
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
-        t0 = time.perf_counter()
-        fn(*args, **kwargs)
-        return time.perf_counter() - t0
 
     def measure(self, graph: Graph, nodes: Sequence[int] | None = None) -> int:
         """Time every not-yet-cached op of ``graph``, then save once; returns how many."""
@@ -263,7 +250,7 @@ class MeasuredCost:
         return self.timed - before
 
     def op_cost(self, graph: Graph, node: Node | int) -> float:
-        n = _node(graph, node)
+        n = node_of(graph, node)
         if n.kind != "op":
             return 0.0
         key = self.signature(graph, n)
@@ -292,5 +279,5 @@ class MeasuredCost:
         dev = torch.empty(n, dtype=torch.uint8, device=self.device)
         dev.copy_(host, non_blocking=True)
         torch.cuda.synchronize(self.device)
-        ts = [self._once(lambda: dev.copy_(host, non_blocking=True), (), {}) for _ in range(5)]
+        ts = [call_seconds(lambda: dev.copy_(host, non_blocking=True), cuda=True) for _ in range(5)]
         return n / statistics.median(ts)

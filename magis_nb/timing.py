@@ -1,4 +1,4 @@
-"""Wall time of training steps on the CPU, measured one way for every bench.
+"""Time of training steps, measured one way for every bench and for ``%%magis --measured``.
 
 A step and a reference step (eager PyTorch) alternate, pair by pair, so a burst
 of load from elsewhere on the machine hits both sides of a pair alike. The time
@@ -7,14 +7,16 @@ those ratios) is reported next to it: on a 2-core machine one BERT plan's
 median of 7 pairs moved between x1.06 and x1.20 from one run to the next, so a
 single median cannot say on which side of a 10% bar a plan is.
 
-(`bench gpu` times with CUDA events on the device instead: `bench/gpu.py`.)
+On a GPU (``cuda=True``) each call is timed by CUDA events on the device
+(`call_seconds`); `bench gpu` and the measured cost model (`simulate/measured.py`)
+time that way.
 """
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 WARMUP = 2
 
@@ -42,14 +44,37 @@ class PairTiming:
         return q[0], q[2]
 
 
+def call_seconds(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, cuda: bool = False,
+                 clock: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds of one call ``fn(*args, **kwargs)``: with ``cuda``, between two CUDA
+    events recorded around it on the current stream (the device's time, waited
+    for); otherwise by ``clock``."""
+    kwargs = kwargs or {}
+    if cuda:
+        import torch
+
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(*args, **kwargs)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = clock()
+    fn(*args, **kwargs)
+    return clock() - t0
+
+
 def time_steps(step: Callable[[], object], reps: int, *, ref: Callable[[], object] | None = None,
                before: Callable[[], object] | None = None,
                ref_before: Callable[[], object] | None = None,
-               warmup: int = WARMUP, clock: Callable[[], float] = time.perf_counter) -> PairTiming:
+               warmup: int = WARMUP, cuda: bool = False,
+               clock: Callable[[], float] = time.perf_counter) -> PairTiming:
     """Time ``step`` ``reps`` times after ``warmup`` warm-up calls; with ``ref``,
     each timed step is followed by one timed ``ref`` (itself warmed up once,
     after ``step``'s last warm-up). ``before`` / ``ref_before`` run untimed ahead
-    of each call (e.g. clearing gradients)."""
+    of each call (e.g. clearing gradients). Each call is timed by `call_seconds`
+    (CUDA events with ``cuda``, else ``clock``)."""
     if reps < 1:
         raise ValueError(f"time_steps: reps must be >= 1, got {reps}")
     steps: list[float] = []
@@ -59,9 +84,7 @@ def time_steps(step: Callable[[], object], reps: int, *, ref: Callable[[], objec
     def timed(fn, prep) -> float:
         if prep is not None:
             prep()
-        t0 = clock()
-        fn()
-        return clock() - t0
+        return call_seconds(fn, cuda=cuda, clock=clock)
 
     for i in range(warmup + reps):
         dt = timed(step, before)

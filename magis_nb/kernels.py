@@ -1,8 +1,9 @@
 """Faster ways to run some ATen ops, with bit-identical results.
 
-The generated program calls these instead of the op a node names, and the
-measured cost model times them the same way (`callable_for`), so a plan is
-priced as it runs.
+The generated program (`runtime/codegen.py`) calls these instead of the op a
+node names, and the measured cost model (`simulate/measured.py`) times them the
+same way (`callable_for`), so a plan is priced as it runs. Both read this
+module, which imports nothing of magis_nb's.
 
 Note [applying a dropout mask]
 The program draws dropout masks as bool tensors (see Note [dropout as a mask
@@ -20,7 +21,7 @@ tests/test_kernels.py).
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -1,9 +1,12 @@
-"""The result as HTML (``OptimizeResult._repr_html_``) and as a plain-text table."""
+"""The result in words: HTML (``OptimizeResult._repr_html_``), a plain-text
+table, and which kind of memory its numbers are (Note [which memory])."""
 from __future__ import annotations
 
 from html import escape
+from typing import TYPE_CHECKING
 
-from ..search.result import OptimizeResult, Plan
+if TYPE_CHECKING:
+    from .result import OptimizeResult, Plan
 
 MiB = 2**20
 LIST_SHOWN = 12   # names listed inline; the rest folds into <details>
@@ -15,6 +18,47 @@ def _mib(b: float) -> str:
 
 def _ms(s: float) -> str:
     return f"{s * 1e3:,.3f} ms"
+
+
+# Note [which memory]
+# A plan's peak is the simulated peak of the device that runs the step. What
+# that means to the user depends on where the step runs and what it was planned
+# for. On the CPU, host and "device" memory are the same RAM: a swap moves bytes
+# from one tensor of the process to another and saves nothing, so a CPU plan
+# (no GPU profile named) has no swaps by default and its peak is the process's
+# memory. A plan for a GPU profile made on a CPU machine is measured here as a
+# stand-in for the device: its swapped bytes live in host buffers the stand-in
+# does not count, and the report says so.
+GPU_NAMES = {"rtx3090": "RTX 3090", "a100": "A100", "h100": "H100", "h200": "H200"}
+
+
+def memory_kind(r: OptimizeResult) -> str:
+    """One sentence: which memory the result's peaks are (Note [which memory])."""
+    gpu = GPU_NAMES.get(r.profile.split(":")[-1])
+    if r.device == "cuda":
+        return "planned for this GPU: device memory; swapped bytes live in host memory"
+    if gpu is not None:
+        return (f"planned for {gpu}; device memory measured here as a stand-in, "
+                "swapped bytes live in host memory")
+    if r.swap:
+        return ("planned for this CPU with swaps allowed: the peak is a stand-in device's; "
+                "swapped bytes stay in the same RAM, so the process saves less than it shows")
+    return ("planned for this CPU: process memory (no swaps: host and device memory "
+            "are the same RAM here)")
+
+
+def measured_text(r: OptimizeResult) -> str | None:
+    """The chosen plan's measured peak next to eager PyTorch's, in words, or None
+    when the plan was not run (``verify=False``, or the meta device)."""
+    m = r.measured
+    if m is None:
+        return None
+    if r.device == "cpu" and not GPU_NAMES.get(r.profile.split(":")[-1]) and not r.swap:
+        return (f"measured process memory of one step: eager PyTorch {_mib(m.eager_peak)}, "
+                f"plan {_mib(m.process_peak)} (x{m.process_peak / m.eager_peak:.3f})")
+    host = f", plus {_mib(m.host_bytes)} of host buffers" if m.host_bytes else ""
+    return (f"measured on this machine (stand-in device memory of one step): eager PyTorch "
+            f"{_mib(m.eager_peak)}, plan {_mib(m.peak)} (x{m.peak / m.eager_peak:.3f}){host}")
 
 
 def budget_text(r: OptimizeResult) -> str:
@@ -53,7 +97,9 @@ def result_html(r: OptimizeResult) -> str:
     note = " (interrupted: best plan so far)" if r.interrupted else ""
     rows = [
         ("budget", f"{escape(budget_text(r))} — {status}"),
-        ("peak memory", f"{_mib(b.peak)} → <b>{_mib(a.peak)}</b> (x{r.mem_ratio:.3f})"),
+        ("peak memory", f"{_mib(b.peak)} → <b>{_mib(a.peak)}</b> (x{r.mem_ratio:.3f}, "
+                        f"simulated; {escape(memory_kind(r))})"),
+        *([("measured", escape(measured_text(r)))] if measured_text(r) else []),
         ("step latency", f"{_ms(b.latency)} → <b>{_ms(a.latency)}</b> (x{r.lat_ratio:.3f}, "
                          f"cost model: {escape(r.profile)})"),
         ("fission", _fission(a)),
@@ -85,4 +131,8 @@ def summary_table(r: OptimizeResult) -> str:
         lines.append(f"| {row['plan']} | {row['peak_MiB']:.2f} | {p.peak / r.before.peak:.3f} "
                      f"| {row['latency_ms']:.3f} | {p.latency / r.before.latency:.3f} "
                      f"| {row['applied']} |")
+    lines.append(f"\npeaks are simulated; {memory_kind(r)}")
+    measured = measured_text(r)
+    if measured:
+        lines.append(measured)
     return "\n".join(lines)

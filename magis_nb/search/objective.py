@@ -1,0 +1,48 @@
+"""What a search optimizes: the objective of a budget, and the Pareto front.
+
+Modes. Memory limit M: minimize latency among states with peak <= M (states
+above M rank by peak). Latency limit L: minimize peak among states with latency
+<= L (states above L rank by latency). ``better(a, b, relax)`` is the seed's
+BetterThan: the lexicographic key of ``a`` against ``b``'s key scaled by
+``relax``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .space import State
+
+
+@dataclass
+class Objective:
+    kind: str                  # "mem" | "lat"
+    limit: float               # bytes | seconds
+
+    def key(self, s: State, relax: float = 1.0) -> tuple:
+        if self.kind == "mem":
+            return (max(relax * s.peak, self.limit), relax * s.latency)
+        return (max(relax * s.latency, self.limit), relax * s.peak)
+
+    def better(self, a: State, b: State, relax: float = 1.0) -> bool:
+        return self.key(a) < self.key(b, relax)
+
+
+@dataclass
+class SearchLog:
+    """What a search returns: the best state, the (peak, latency) front, counts."""
+    best: State
+    pareto: list[State] = field(default_factory=list)
+    states: int = 0
+    seconds: float = 0.0
+    interrupted: bool = False
+
+
+def pareto_add(front: list[State], s: State) -> list[State]:
+    """``front`` with ``s`` added unless dominated (and the states it dominates
+    removed), ordered by peak."""
+    if any(o.peak <= s.peak and o.latency <= s.latency for o in front):
+        return front
+    front = [o for o in front if not (s.peak <= o.peak and s.latency <= o.latency)]
+    front.append(s)
+    front.sort(key=lambda o: (o.peak, o.latency))
+    return front

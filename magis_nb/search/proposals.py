@@ -1,0 +1,109 @@
+"""The children a state proposes (the rules of Algorithm 3, the seed's §6.2).
+
+Swap and remat act on the cheapest of the peak's tensors per byte saved (see
+`pricing.ranked`), one at a time and in batches of 2 to 128, biggest first (a
+training peak holds hundreds of saved activations: one tensor per step would
+need hundreds of steps), with their users being the readers after the peak.
+F-Tree rules: enable the best-scoring candidates, mutate n, lift, disable,
+pack. TASO subset: see `algebra_gains`. Inverse rules: drop one of the latest
+batches (de-swap, de-remat).
+"""
+from __future__ import annotations
+
+from ..analysis.ftree import least_parts, mutations
+from .algebra_gains import AlgebraGains, product_of
+from .pricing import ranked
+from .space import Batch, Space, State
+
+SINGLE = 4                 # single-tensor rewrites proposed per state and rule
+BATCHES = (2, 4, 8, 16, 32, 64, 128)  # batch sizes proposed per state and rule
+ENABLE = 6                 # F-Tree candidates proposed for enabling per state
+UNDO = 3                   # latest batches an inverse rule may drop
+
+# A proposal: (rule, plan, batches, names of the ops it touches).
+Proposal = tuple[str, tuple, tuple, set]
+
+
+def _touched(g, kind: str, specs) -> set:
+    """Names of the ops a batch rewrites (the incremental scheduler's seeds)."""
+    touched = set()
+    for s in specs:
+        if kind == "merge":
+            touched |= set(s.ops)
+            continue
+        if kind == "sink":    # the product it scaled is rewritten too
+            touched.add(product_of(g, s.op))
+        touched |= set(getattr(s, "users", ()))
+        touched.add(s.producer if kind == "swap" else s.op)
+        touched.update(getattr(s, "chain", ()))
+    return touched
+
+
+def _fission(space: Space, st: State) -> tuple[list[Proposal], list[Proposal]]:
+    """F-Tree rules on the plan, as (packs, the rest); rewrites are replayed on
+    the new fission graph. Packs go before every other child: one state, and in
+    a transformer split along the batch it is the biggest step there is
+    (GPT-Neo split in 16: 0.256 -> 0.175); the latest found first."""
+    plan = dict(st.plan)
+    packs, out, enables = [], [], []
+    for rule, new in mutations(space.cands, plan):
+        key = tuple(sorted(new.items()))
+        if rule == "pack":
+            packs.insert(0, (rule, key, st.batches, set()))
+        elif rule == "enable":
+            (cid,) = set(new) - set(plan) or {None}
+            if cid is None:
+                continue
+            enables.append((space.cands[cid].score, cid, key))
+        else:
+            out.append((rule, key, st.batches, set()))
+    enables.sort(key=lambda t: (-t[0], t[1]))
+    out += [("enable", key, st.batches, set()) for _, _, key in enables[:ENABLE]]
+    return packs, out
+
+
+def proposals(space: Space, st: State, algebra: AlgebraGains | None = None) -> list[Proposal]:
+    """Children of ``st`` as (rule, plan, batches, touched op names), in the
+    order the search evaluates them. ``algebra`` keeps the TASO prices of the
+    plans seen so far (a search passes its own; None prices afresh)."""
+    algebra = algebra or AlgebraGains(space)
+    swaps, remats = ranked(space, st)
+    out: list[Proposal] = []
+
+    def add(rule, kind, specs):
+        if specs:
+            out.append((rule, st.plan, st.batches + (Batch(kind, frozenset(specs)),),
+                        _touched(st.graph, kind, specs)))
+
+    # Big steps first: when the search is cut short (time, max_states) the
+    # children it did evaluate are the ones that move the peak the most.
+    for k in sorted(BATCHES, reverse=True):
+        for kind, cand in (("swap", swaps), ("remat", remats)):
+            if len(cand) >= k:
+                add(f"{kind}x{k}", kind, cand[:k])
+    for kind, cand in (("swap", swaps), ("remat", remats)):
+        for s in cand[:SINGLE]:
+            add(kind, kind, [s])
+    packs, fission = _fission(space, st)
+    out = packs + out + fission
+    for rule, specs in algebra.children(st):
+        add(rule, rule.split("x")[0], specs)
+    for i in range(max(0, len(st.batches) - UNDO), len(st.batches)):
+        out.append((f"undo-{st.batches[i].kind}", st.plan,
+                    st.batches[:i] + st.batches[i + 1:], set()))
+    return out
+
+
+def enable_top(space: Space, st: State) -> tuple | None:
+    """The plan with the best-scoring F-Tree candidate that overlaps no enabled
+    region enabled at its least n, or None. Algorithm 1 scores a candidate by
+    the hot bytes it splits, so in a transformer this is the whole training
+    step split along the batch; reaching it from the leaves takes a lift per
+    F-Tree level, each waiting for its turn in the queue."""
+    plan = dict(st.plan)
+    taken = [space.cands[j].ops for j in plan]
+    for c in sorted(space.cands, key=lambda c: (-c.score, c.id)):
+        if c.id in plan or any(c.ops & ops for ops in taken):
+            continue
+        return tuple(sorted({**plan, c.id: least_parts(c.max_n)}.items()))
+    return None
