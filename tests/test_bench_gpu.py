@@ -15,6 +15,7 @@ def test_without_cuda_it_says_what_to_do(tmp_path, capsys):
     assert not (tmp_path / "gpu.json").exists()
 
 
+@pytest.mark.slow
 def test_cpu_dry_run_writes_the_report(tmp_path, one_thread):
     rc = gpu.main(["--device", "cpu", "--size", "tiny", "--models", "mlp", "--simcheck", "mlp",
                    "--time-budget", "3", "--out", str(tmp_path)])

@@ -110,8 +110,8 @@ def test_slider_in_jupyterlab(lab):
             status = page.locator(".widget-html", has_text="bound to").first
             image = page.locator("img.widget-image").first
             expect(image).to_be_visible()
-            # %magis_budget 0.45 ran after the slider was drawn: the knob followed it
-            expect(readout).to_have_text("0.45")
+            # %magis_budget 0.55 ran after the slider was drawn: the knob followed it
+            expect(readout).to_have_text("0.55")
             before_src = image.get_attribute("src")
             before_status = status.inner_text()
             # type a budget into the readout, as a person would (Enter commits it)
@@ -121,7 +121,7 @@ def test_slider_in_jupyterlab(lab):
             page.keyboard.press("Enter")
             expect(status).not_to_have_text(before_status, timeout=60_000)
             new = float(readout.inner_text())
-            assert new < 0.45
+            assert new < 0.55
             expect(status).to_contain_text(f"budget x{new:.2f}")
             page.wait_for_function(
                 "src => document.querySelector('img.widget-image').src !== src", arg=before_src,

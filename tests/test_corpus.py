@@ -94,6 +94,7 @@ def test_user_error_and_summary():
     assert s["lm_rows"] == 2 and s["lm_mem_ratio_le_0.5"] == 1
 
 
+@pytest.mark.slow
 def test_bench_fast(tmp_path, capsys):
     out = tmp_path / "corpus.json"
     rc = corpus.main(["--fast", "--models", ",".join(BENCH_MODELS), "--threads", "1",

@@ -70,6 +70,7 @@ def test_select_is_monotonic_in_the_budget(gpt_mem):
     res.select(mem_budget=0.5)
 
 
+@pytest.mark.slow
 def test_tighter_budget_searches_never_end_higher():
     case = zoo.build("mlp", "tiny")
     peaks = []
@@ -80,6 +81,7 @@ def test_tighter_budget_searches_never_end_higher():
     assert peaks == sorted(peaks, reverse=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt", "unet"])
 def test_memory_budget_search_is_as_cheap_as_the_latency_budget_search(name):
     """The peak a latency-budget search reaches at 1.10, asked for as a memory

@@ -169,12 +169,13 @@ def test_spread_keeps_both_ends_and_spaces_the_peaks():
 def swapping_plan():
     """gpt tiny (dropout 0.1) and its lowest-peak plan under a 30% budget without
     fission: swaps only (with fission the search splits the whole step, which
-    is not what these tests compile)."""
+    is not what these tests compile). ``swap=True``: on the CPU swapping is off
+    by default (Note [which memory])."""
     from magis_nb.search import optimize
 
     case = zoo.build("gpt", "tiny")
     res = optimize(case.model, case.inputs, loss_fn=case.loss_fn, mem_budget=0.3, max_states=40,
-                   time_budget=60, fission=False)
+                   time_budget=60, fission=False, swap=True)
     plan = min(res.pareto, key=lambda p: p.peak)
     return case, res, plan
 
@@ -223,11 +224,13 @@ def test_magis_plus_inductor_keeps_the_plan_and_eager_numerics(swapping_plan):
     plain_r, comp = rows
     assert comp.error is None and comp.allclose is True and comp.max_err < 1e-5, comp
     assert plain_r.peak < 0.5 * ref_peak(case), (plain_r.peak, ref_peak(case))
-    # 1.15: GPT's tied embedding is one graph input since capture dedups tied tensors
+    # 1.20: GPT's tied embedding is one graph input since capture dedups tied tensors
     # (Note [one placeholder per parameter]); its two gradients are summed inside the
-    # program, and inductor's schedule of that step peaks 14% over the plan (62.3 vs
-    # 54.6 MB here; 1.05 held when the two gradients were summed outside)
-    assert comp.peak <= 1.15 * plain_r.peak, (comp.peak, plain_r.peak)
+    # program, and inductor's schedule of that step peaks 14-17% over the plan (62.3
+    # and 63.9 vs 54.6 MB here, the plan searched on two tables of measured op costs;
+    # 1.05 held when the two gradients were summed outside). Without the opaque
+    # Store/Load it is 4x: the bound is there to catch that.
+    assert comp.peak <= 1.20 * plain_r.peak, (comp.peak, plain_r.peak)
 
 
 def ref_peak(case) -> int:

@@ -255,6 +255,14 @@ def _should_verify(verify: bool | None, model: nn.Module, inputs, peak: int) -> 
     return True
 
 
+def _objective(mem_budget, lat_budget, before: State) -> Objective:
+    """What the search optimizes for the budget (no budget: ``DEFAULT_LAT``)."""
+    if mem_budget is not None:
+        return Objective("mem", _parse_mem(mem_budget, before.peak)[0])
+    ratio = DEFAULT_LAT if lat_budget is None else float(lat_budget)
+    return Objective("lat", ratio * before.latency)
+
+
 def _device_of(model: nn.Module, inputs) -> str:
     """Where the step runs: the inputs' device type (else the parameters')."""
     for t in list(tree_leaves(inputs)) + list(model.parameters()):
@@ -336,12 +344,7 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
         root = space.evaluate((), (), g)
     except Exception as e:  # noqa: BLE001
         raise PlanError(_bug("analysing the program", e, hint=True)) from e
-    if mem_budget is not None:
-        limit, _ = _parse_mem(mem_budget, before.peak)
-        objective = Objective("mem", limit)
-    else:
-        objective = Objective("lat", (DEFAULT_LAT if lat_budget is None else float(lat_budget))
-                              * before.latency)
+    objective = _objective(mem_budget, lat_budget, before)
 
     def report(best: State, states: int, elapsed: float, done: bool):
         if progress is not None:
