@@ -32,9 +32,19 @@ def _ms(s: float) -> str:
 GPU_NAMES = {"rtx3090": "RTX 3090", "a100": "A100", "h100": "H100", "h200": "H200"}
 
 
+def _gpu_planned(r: OptimizeResult) -> str | None:
+    """The GPU profile's display name when the plan was made for one, else None."""
+    return GPU_NAMES.get(r.profile.split(":")[-1])
+
+
+def _process_plan(r: OptimizeResult) -> bool:
+    """A CPU plan without swaps: its peaks are the process's memory."""
+    return r.device == "cpu" and _gpu_planned(r) is None and not r.swap
+
+
 def memory_kind(r: OptimizeResult) -> str:
     """One sentence: which memory the result's peaks are (Note [which memory])."""
-    gpu = GPU_NAMES.get(r.profile.split(":")[-1])
+    gpu = _gpu_planned(r)
     if r.device == "cuda":
         return "planned for this GPU: device memory; swapped bytes live in host memory"
     if gpu is not None:
@@ -53,7 +63,7 @@ def measured_text(r: OptimizeResult) -> str | None:
     m = r.measured
     if m is None:
         return None
-    if r.device == "cpu" and not GPU_NAMES.get(r.profile.split(":")[-1]) and not r.swap:
+    if _process_plan(r):
         return (f"measured process memory of one step: eager PyTorch {_mib(m.eager_peak)}, "
                 f"plan {_mib(m.process_peak)} (x{m.process_peak / m.eager_peak:.3f})")
     host = f", plus {_mib(m.host_bytes)} of host buffers" if m.host_bytes else ""
@@ -93,13 +103,14 @@ def _fission(plan: Plan) -> str:
 
 def result_html(r: OptimizeResult) -> str:
     b, a = r.before, r.plan
+    measured = measured_text(r)
     status = "met" if r.met else "<b style='color:#c44e52'>not met</b>"
     note = " (interrupted: best plan so far)" if r.interrupted else ""
     rows = [
         ("budget", f"{escape(budget_text(r))} — {status}"),
         ("peak memory", f"{_mib(b.peak)} → <b>{_mib(a.peak)}</b> (x{r.mem_ratio:.3f}, "
                         f"simulated; {escape(memory_kind(r))})"),
-        *([("measured", escape(measured_text(r)))] if measured_text(r) else []),
+        *([("measured", escape(measured))] if measured else []),
         ("step latency", f"{_ms(b.latency)} → <b>{_ms(a.latency)}</b> (x{r.lat_ratio:.3f}, "
                          f"cost model: {escape(r.profile)})"),
         ("fission", _fission(a)),
