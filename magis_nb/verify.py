@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from .capture import eager_step, flatten, split_call
 from .runtime.measure import measure_cpu, model_baseline
+from .runtime.module import step_of
 from .snapshot import ModelSnapshot
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -100,7 +101,8 @@ class Reference:
         # what the runner keeps between steps (an OptimizedModule's lifted constants)
         own = runner.resident() if hasattr(runner, "resident") else []
         try:
-            ours = measure_cpu(lambda: runner(*args, **kwargs),
+            step = step_of(runner)
+            ours = measure_cpu(lambda: step(*args, **kwargs),
                                model_baseline(self.model, self.inputs) + own)
             cmp = compare_models(self.ref, self.model, self.out, ours.result, rtol=rtol,
                                  atol=atol, rel_atol=rel_atol)

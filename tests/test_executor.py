@@ -42,6 +42,8 @@ def test_grads_accumulate_like_autograd_and_optimizers_work():
         for _ in range(2):  # two micro-steps accumulate into .grad
             torch.manual_seed(step)
             loss = opt_mod(x, y)
+            loss.backward()
+            loss = loss.detach()
             torch.manual_seed(step)
             ref_loss = eager_step(ref, (x, y), F.cross_entropy)
         cmp = compare_models(ref, model, ref_loss, loss)

@@ -89,6 +89,7 @@ def test_result_bound_and_trains_like_eager(done):
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     loss = opt(x, y)
+    loss.backward()
     assert torch.allclose(loss, ref.detach(), rtol=1e-5, atol=1e-6)
     for n, p in model.named_parameters():
         assert torch.allclose(p.grad, want[n], rtol=1e-4, atol=1e-5), n
@@ -188,6 +189,7 @@ def test_dict_batch_and_own_loss(ip):
     ns = ip.user_ns
     assert ns["model_opt_result"].verified
     loss = ns["model_opt"](**ns["batch"])
+    loss.backward()
     assert loss.dim() == 0 and ns["model"].emb.weight.grad is not None
 
 

@@ -112,10 +112,10 @@ def _simcheck_one(d: Device, name: str) -> dict:
     mod = prog.module()
     start = ModelSnapshot.of(case.model)
     torch.manual_seed(0)
-    mod(*case.inputs)                       # warm-up: kernels, cuBLAS workspace
+    mod.step(*case.inputs)                  # warm-up: kernels, cuBLAS workspace
     start.restore()
     torch.manual_seed(0)
-    peak, _, got = d.peak(lambda: mod(*case.inputs), model_baseline(case.model, case.inputs))
+    peak, _, got = d.peak(lambda: mod.step(*case.inputs), model_baseline(case.model, case.inputs))
     torch.manual_seed(0)
     want = eager_step(ref, case.inputs, case.loss_fn)
     cmp = compare_models(ref, case.model, want, got, **TOL[dt])
@@ -167,15 +167,15 @@ def compare(d: Device, name: str, size: str, time_budget: float) -> list[dict]:
         mod = res.module
         start.restore()
         torch.manual_seed(0)
-        mod(*inputs)                            # warm-up (pinned buffers, kernels)
+        mod.step(*inputs)                       # warm-up (pinned buffers, kernels)
         start.restore()
         torch.manual_seed(0)
-        peak, reserved, got = d.peak(lambda: mod(*inputs), own)
+        peak, reserved, got = d.peak(lambda: mod.step(*inputs), own)
         cmp = compare_models(ref, model, want, got, **TOL[case.dtype])
 
         def step():
             fresh_model()
-            return mod(*inputs)
+            return mod.step(*inputs)
 
         t = d.time(step)
         row = {"model": name, "size": size, "dtype": rows[0]["dtype"], "strategy": "magis_nb",

@@ -57,7 +57,7 @@ def cpu_row(name: str, kind: str, budget: float, time_budget: float, reps: int,
     eager_model = copy.deepcopy(case.model)
 
     def timed(mod):
-        t = time_steps(lambda: mod(*case.inputs), reps, before=clear_grads(case.model.parameters()),
+        t = time_steps(lambda: mod.step(*case.inputs), reps, before=clear_grads(case.model.parameters()),
                        ref=lambda: eager_step(eager_model, case.inputs, case.loss_fn, "train"),
                        ref_before=clear_grads(eager_model.parameters()))
         ref.restore()  # timing trained the model: back to the state the reference holds
@@ -85,7 +85,7 @@ def cpu_row(name: str, kind: str, budget: float, time_budget: float, reps: int,
     mod = res.module
     t = timed(mod)
     q1, q3 = t.quartiles
-    copies = swap_copies(res, mod, lambda: mod(*case.inputs))
+    copies = swap_copies(res, mod, lambda: mod.step(*case.inputs))
     ref.restore()
     host = mod.host_bytes
     return {"model": name, "size": "tiny", "profile": res.profile, "budget_kind": kind,

@@ -110,7 +110,7 @@ def run(name: str, size: str, reps: int, compiled: bool, top: int, share_conv: b
             eager_step(ref_model, case.inputs, case.loss_fn, "train")
 
     def step():
-        prog(*case.inputs)
+        prog.step(*case.inputs)
 
     t = time_steps(step, reps, before=clear_grads(case.model.parameters()),
                    ref=ref, ref_before=clear_grads(ref_model.parameters()))

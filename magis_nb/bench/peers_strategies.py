@@ -202,7 +202,7 @@ def _lazy_plan(res, plan, inputs, backend):
 
                 compile_plan(mod, backend, log=extra["opaque"])
             live["mod"] = mod
-        return live["mod"](*inputs)
+        return live["mod"].step(*inputs)
 
     def release():
         live.clear()

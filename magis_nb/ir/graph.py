@@ -37,6 +37,20 @@ class TensorInfo:
     device: str | None = None       # device type as captured ("cpu", "cuda", "meta")
 
 
+class LossSeed(float):
+    """The backward's seed (the loss's gradient, 1.0 in the capture) as an op
+    argument: generated code reads it from the program's ``_seed`` keyword, so a
+    GradScaler's scale can seed the backward (runtime/module.py, Note [the step
+    behind autograd]). Everything else sees the float 1.0."""
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "LossSeed(1.0)"
+
+    def __reduce__(self):
+        return (LossSeed, (float(self),))
+
+
 class Region(NamedTuple):
     """Where an op of a split fission region sits (``Node.region``). Part k of
     n reads its slice of a split input with a ``narrow`` at ``k * chunk``; the code

@@ -53,7 +53,7 @@ import math
 import torch
 
 from .build import unique_ident
-from .graph import Graph, Node, Ref, TensorInfo, iter_refs, remap_refs
+from .graph import Graph, LossSeed, Node, Ref, TensorInfo, iter_refs, remap_refs
 
 aten = torch.ops.aten
 
@@ -178,6 +178,10 @@ def decompose_dropout(g: Graph) -> Graph:
                            or _low_precision_dropout_backward(rw, n, noise))
 
 
+def _loss_refs(g: Graph) -> set:
+    return {r for r, role in zip(g.outputs, g.output_roles) if role and role[0] == "loss"}
+
+
 _NLL = ("aten.nll_loss_forward.default", "aten.nll_loss2d_forward.default")
 
 
@@ -186,6 +190,8 @@ def _mean_loss_rule(rw: Rewriter, n: Node) -> bool:
     if n.target in ("aten.ones_like.default", "aten.zeros_like.default"):
         t = n.outputs[0]
         fill = 1.0 if n.target.startswith("aten.ones") else 0.0
+        if fill == 1.0 and n.args and n.args[0] in _loss_refs(rw.g):
+            fill = LossSeed(1.0)    # the backward's seed: the program takes it as _seed
         kw = {"dtype": t.dtype, "layout": torch.strided, "device": torch.device("cpu"),
               "pin_memory": False}
         nid = rw.add(n.name, "aten.full.default", aten.full.default, (list(t.shape), fill), kw,

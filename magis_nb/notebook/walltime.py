@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
 from ..capture import eager_step, split_call
+from ..runtime.module import step_of
 from ..snapshot import ModelSnapshot
 from ..timing import clear_grads, time_steps
 
@@ -33,7 +34,7 @@ def plan_timer(model: nn.Module, inputs, loss_fn: Callable | None, mode: str,
             torch.cuda.synchronize()
 
     def step(mod):
-        mod(*args, **kwargs)
+        step_of(mod)(*args, **kwargs)
         sync()
 
     def ref():

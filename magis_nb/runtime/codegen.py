@@ -13,7 +13,8 @@ from typing import Sequence
 
 import torch
 
-from ..ir.graph import Graph, Ref, Region, iter_refs
+from ..distributed.buckets import BUCKET_TARGET
+from ..ir.graph import Graph, LossSeed, Ref, Region, iter_refs
 from ..kernels import SUBSTITUTES, namespace
 from ..rules.swap import swap_ops
 from .copies import SYNC
@@ -34,6 +35,8 @@ def _render(g: Graph, obj) -> str:
         if isinstance(obj, tuple):
             return f"({inner},)" if len(obj) == 1 else f"({inner})"
         return f"[{inner}]"
+    if isinstance(obj, LossSeed):
+        return "_seed"
     if isinstance(obj, float):
         if math.isinf(obj) or math.isnan(obj):
             return f"float('{obj}')"
@@ -150,6 +153,9 @@ def _line(g: Graph, nid: int, loop_var: bool = False, swaps: _Swaps | None = Non
     special = swaps.call(g, nid) if swaps is not None else None
     if special is not None:
         return f"{lhs} = {special}"
+    if n.target == BUCKET_TARGET:       # its all_reduce is issued here (distributed/buckets.py)
+        k = _buckets(g).index(nid)
+        return f"{lhs} = _comm.bucket({k}, {_render(g, n.args[0])})  # {_shape_note(g, nid)}"
     call = _call(g, nid)
     if loop_var and n.target == "aten.narrow.default" and isinstance(n.region, Region) and n.region.chunk:
         # part k of a fission loop reads its slice at k * chunk
@@ -209,6 +215,14 @@ def _part_signature(g: Graph, part: Sequence[int]) -> list:
     return sig
 
 
+def _buckets(g: Graph) -> list[int]:
+    return [n.id for n in g.ops if n.target == BUCKET_TARGET]
+
+
+def _seeded(g: Graph) -> bool:
+    return any(isinstance(a, LossSeed) for n in g.ops for a in n.args)
+
+
 def generate(g: Graph, order: Sequence[int], fn_name: str = "step") -> str:
     """Python source of ``def step(_dev, *inputs) -> tuple(outputs)``.
 
@@ -217,7 +231,9 @@ def generate(g: Graph, order: Sequence[int], fn_name: str = "step") -> str:
     variable from outside the loop is deleted in the last iteration, where the
     unrolled program would delete it).
 
-    A program with swaps takes a keyword ``_io`` (see `runtime.copies`): the
+    A program with gradient buckets takes a keyword ``_comm`` (see
+    `distributed.buckets`). A training program takes a keyword ``_seed``, the backward's seed (see
+    `ir.graph.LossSeed`). A program with swaps takes a keyword ``_io`` (see `runtime.copies`): the
     same source runs with synchronous copies (the default) or with asynchronous
     ones on a CUDA copy stream.
     """
@@ -229,7 +245,10 @@ def generate(g: Graph, order: Sequence[int], fn_name: str = "step") -> str:
         if isinstance(n.region, Region):
             sizes[n.region.rid] = sizes.get(n.region.rid, 0) + 1
     swaps = _Swaps(g, order)
-    params = ", ".join(["_dev"] + [n.name for n in g.inputs] + (["*", "_io=_SYNC"] if swaps.any else []))
+    buckets = bool(_buckets(g))
+    kw = (["_io=_SYNC"] if swaps.any else []) + (["_seed=1.0"] if _seeded(g) else []) \
+        + (["_comm"] if buckets else [])
+    params = ", ".join(["_dev"] + [n.name for n in g.inputs] + (["*"] + kw if kw else []))
     lines = [f"def {fn_name}({params}):"]
     i = 0
     while i < len(order):
@@ -266,6 +285,8 @@ def generate(g: Graph, order: Sequence[int], fn_name: str = "step") -> str:
         i += n * L
     if swaps.any:
         lines.append("    _io.finish()")
+    if buckets:
+        lines.append("    _comm.finish()  # every bucket's all_reduce done, averaged")
     ret = ", ".join(_var(g, r) for r in g.outputs)
     lines.append(f"    return ({ret},)" if len(g.outputs) == 1 else f"    return ({ret})")
     return "\n".join(lines) + "\n"

@@ -9,20 +9,74 @@ import torch.nn as nn
 
 from ..capture.export import Captured
 from ..capture.outputs import unflatten
+from ..distributed.comm import LocalComm
 from ..ir.graph import Graph
 from ..rules.swap import pool_inputs, swap_ops
 from .codegen import compile_source, generate
 from .copies import copies_for, host_buffer
 
 
+class _Box:
+    """What `_PlannedStep.forward` hands over: the step's loss and gradients."""
+    __slots__ = ("loss", "seed", "grads")
+
+    def __init__(self, loss, seed, grads):
+        self.loss, self.seed, self.grads = loss, seed, grads
+
+
+class _PlannedStep(torch.autograd.Function):
+    """The planned step as one autograd node: Note [the step behind autograd]."""
+
+    @staticmethod
+    def forward(ctx, box: _Box, *params):
+        ctx.seed = box.seed
+        ctx.has = [g is not None for g in box.grads]
+        ctx.save_for_backward(*[g for g in box.grads if g is not None])
+        box.grads = None
+        return box.loss.detach()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss):
+        saved = iter(ctx.saved_tensors)    # raises on a second backward, as eager does
+        grads = [next(saved) if h else None for h in ctx.has]
+        del saved
+        if float(grad_loss) != ctx.seed:   # (k * loss).backward(): linear in the seed
+            k = grad_loss / ctx.seed
+            grads = [g * k.to(g.dtype) if g is not None else None for g in grads]
+        return (None, *grads)
+
+
+# Note [the step behind autograd]
+# The program computes the loss and every gradient in one run (the planned
+# schedule interleaves forward and backward), so `forward` runs all of it and an
+# autograd node hands the gradients over when the user calls `loss.backward()`:
+# its backward returns them to the parameters' AccumulateGrad nodes, where DDP's
+# reducer hooks, post-accumulate-grad hooks and accumulation over micro-batches see
+# them exactly as in eager; never calling backward leaves `.grad` untouched. The
+# gradients are linear in the loss's gradient g, so `(k * loss).backward()` gets
+# them times k. That product is exact only as a product: fp16 training needs the
+# loss scale inside the backward (small intermediate gradients underflow first),
+# so with a `GradScaler` attached (``grad_scaler``) the program's backward is seeded
+# with the scaler's scale, the value `scaler.scale(loss).backward()` then passes in
+# as g, and the gradients go to the parameters as computed. The saved gradients
+# are freed by the first backward: a second one raises autograd's own error.
+
+
 class OptimizedModule(nn.Module):
     """Runs the captured step in a planned order.
 
-    Training (``mode="train"``): ``loss = m(*inputs)`` runs forward *and* backward;
-    gradients accumulate into ``p.grad`` as autograd does (assigned when ``None``,
-    added otherwise) and buffers (BatchNorm running stats) are updated in place, so
-    any ``torch.optim`` optimizer works unchanged. The returned loss is detached:
-    do not call ``.backward()`` on it. Inference: returns the model's outputs.
+    Training (``mode="train"``): ``loss = m(*inputs)`` runs the planned forward
+    *and* backward and returns the loss attached to the parameters; ``loss.backward()``
+    hands the gradients to them through autograd (accumulating as autograd does, so
+    hooks, DDP and gradient accumulation see them), and buffers (BatchNorm running
+    stats) are updated during the call, as in eager. Any ``torch.optim`` optimizer
+    works unchanged. With a ``torch.amp.GradScaler`` set as ``grad_scaler``, its
+    scale seeds the program's backward (fp16 training). Called under
+    ``torch.no_grad()`` or in eval mode it runs ``inference`` (an inference plan,
+    when one is attached). ``step(*inputs)`` is the one-call form: forward and
+    backward with the gradients accumulated at once, the loss detached.
+    Inference (``mode="infer"``): returns the model's outputs.
 
     Swapped tensors go to pinned host buffers allocated once per plan. On a CUDA
     device the copies run asynchronously on a copy stream (`runtime.copies`);
@@ -40,7 +94,7 @@ class OptimizedModule(nn.Module):
     """
 
     def __init__(self, model: nn.Module, cap: Captured, graph: Graph,
-                 order: Sequence[int], source: str | None = None):
+                 order: Sequence[int], source: str | None = None, comm=None):
         super().__init__()
         self.model = model
         self.mode = cap.mode
@@ -72,6 +126,13 @@ class OptimizedModule(nn.Module):
         self._copies = {}               # device -> copies object, made on first use
         self.timed_copies = False
         self._last_dev = None           # the device of the last step that swapped
+        self.grad_scaler = None         # a torch.amp.GradScaler whose scale seeds the backward
+        self._inference: list = []      # see `inference`
+        self._seeded = "_seed=" in self.code.split("\n", 1)[0]
+        # A program with gradient buckets all_reduces them through ``comm``
+        # (distributed/comm.py); one rank alone by default.
+        self._bucketed = "_comm" in self.code.split("\n", 1)[0]
+        self.comm = comm if comm is not None else (LocalComm() if self._bucketed else None)
         # A copies object to use on every device instead (e.g. one whose copies are
         # opaque custom ops, for torch.compile: bench/peers_compile.py).
         self.copies = None
@@ -129,18 +190,20 @@ class OptimizedModule(nn.Module):
                     f"was planned for {shape} ({dtype}); shapes are specialized: "
                     "optimize again with example inputs of the new shape")
 
-    def forward(self, *args, **kwargs):
-        inputs = self._tensors(args, kwargs)
-        self._check(inputs)
-        # by their first names: a tied weight is one graph input (capture/export.py)
-        params = dict(self.model.named_parameters())
-        buffers = dict(self.model.named_buffers())
+    # -- running a step ------------------------------------------------------------
+    def _run(self, inputs: list, params: dict, buffers: dict, seed: float = 1.0) -> list:
+        """The program's flat outputs for ``inputs`` (``seed``: the backward's seed,
+        the loss's gradient; 1.0 unless a GradScaler scales the loss)."""
         args = [params[n] for n in self._param_names]
         args += [buffers[n] for n in self._buffer_names]
         dev = inputs[0].device
         args += list(inputs)
         args += self._constants(dev)
         args += self.host_buffers
+        kw = {"_seed": seed} if seed != 1.0 else {}
+        if kw and not self._seeded:
+            raise RuntimeError("this program has no backward seed to scale (it was not "
+                               "captured with a loss); run it without a GradScaler")
         # The capture recorded autocast's casts as ops of the program: run it as
         # recorded, not autocast a second time (a user's `with torch.autocast`).
         amp = torch.autocast(dev.type, enabled=False) if dev.type in ("cpu", "cuda") \
@@ -148,28 +211,121 @@ class OptimizedModule(nn.Module):
         with torch.no_grad(), amp:
             if self._swaps:
                 self._last_dev = dev
-                outs = self.step_fn(dev, *args, _io=self._io(dev))
-            else:
-                outs = self.step_fn(dev, *args)
+                kw["_io"] = self._io(dev)
+            if self._bucketed:
+                kw["_comm"] = self.comm
+            outs = self.step_fn(dev, *args, **kw)
         del args
-        if self.mode == "infer":
-            leaves = [o.clone() if c else o for o, c in zip(outs, self._clone_out)]
-            return unflatten(leaves, self._out_spec)
-        loss = None
+        return list(outs)
+
+    def _split(self, outs: list, params: dict, buffers: dict):
+        """(loss, {param name: gradient}) of a training step's outputs; buffer
+        updates (BatchNorm running stats) are written in place, as eager's forward does."""
+        loss, grads = None, {}
         with torch.no_grad():
             for o, role, clone in zip(outs, self._roles, self._clone_out):
                 kind = role[0]
                 if kind == "loss":
                     loss = o
                 elif kind == "grad":
-                    p = params[role[1]]
-                    if p.grad is None:
-                        p.grad = o.clone() if clone else o
-                    else:
-                        p.grad.add_(o)
+                    grads[role[1]] = o.clone() if clone else o
                 elif kind == "buffer":
                     buffers[role[1]].copy_(o)
+        return loss, grads
+
+    def _state(self):
+        # by their first names: a tied weight is one graph input (capture/export.py)
+        return dict(self.model.named_parameters()), dict(self.model.named_buffers())
+
+    def step(self, *args, **kwargs):
+        """One training step in one call: forward *and* backward, gradients
+        accumulated into ``p.grad`` as autograd does (assigned when ``None``,
+        added otherwise), buffers updated; returns the loss, detached. (Inference
+        plans: the model's outputs.) This is what `forward` does before the
+        gradients are handed over by ``loss.backward()``; benchmarks and checks
+        against eager call it directly."""
+        inputs = self._tensors(args, kwargs)
+        self._check(inputs)
+        params, buffers = self._state()
+        outs = self._run(inputs, params, buffers)
+        if self.mode == "infer":
+            return self._outputs(outs)
+        loss, grads = self._split(outs, params, buffers)
+        del outs
+        with torch.no_grad():
+            for name, g in grads.items():
+                p = params[name]
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad.add_(g)
         return loss
+
+    def _outputs(self, outs: list):
+        leaves = [o.clone() if c else o for o, c in zip(outs, self._clone_out)]
+        return unflatten(leaves, self._out_spec)
+
+    def forward(self, *args, **kwargs):
+        """Training plans: the loss, attached to the parameters through autograd
+        (see the class doc and Note [the step behind autograd]). Inference plans:
+        the model's outputs."""
+        if self.mode == "infer":
+            return self.step(*args, **kwargs)
+        if not (torch.is_grad_enabled() and self.training):
+            if self.inference is not None:
+                return self.inference(*args, **kwargs)
+            why = "under torch.no_grad()" if self.training else "in eval mode"
+            raise RuntimeError(
+                f"this module runs a planned training step (forward and backward), called "
+                f"{why}: plan the forward too, `model_opt.inference = magis_nb.optimize("
+                f"model, inputs, mode='infer').module`, or call the model itself")
+        inputs = self._tensors(args, kwargs)
+        self._check(inputs)
+        for x in inputs:
+            if x.requires_grad:
+                raise ValueError("an input requires grad: the planned backward computes the "
+                                 "parameters' gradients only; pass inputs.detach() (or leave "
+                                 "the step to eager PyTorch)")
+        params, buffers = self._state()
+        seed = self._loss_seed(inputs[0].device)
+        outs = self._run(inputs, params, buffers, seed)
+        loss, grads = self._split(outs, params, buffers)
+        del outs
+        ps = [params[n] for n in self._param_names]
+        gs = [grads.get(n) if p.requires_grad else None for n, p in zip(self._param_names, ps)]
+        del grads
+        return _PlannedStep.apply(_Box(loss, seed, gs), *ps)
+
+    def _loss_seed(self, dev: torch.device) -> float:
+        sc = self.grad_scaler
+        if sc is None or not sc.is_enabled():
+            return 1.0
+        return float(sc.get_scale())
+
+    @property
+    def inference(self):
+        """The module run when this training plan is called under ``torch.no_grad()``
+        or in eval mode (an inference plan of the same model), or None."""
+        return self._inference[0] if self._inference else None
+
+    @inference.setter
+    def inference(self, mod) -> None:
+        if mod is not None and getattr(mod, "mode", "infer") != "infer":
+            raise ValueError("inference must be an inference plan (mode='infer')")
+        # kept outside _modules: the same parameters must not appear twice in state_dict
+        self._inference = [mod] if mod is not None else []
+
+    def __setattr__(self, name, value):
+        if name == "inference":     # nn.Module would register a module value as a child
+            OptimizedModule.inference.fset(self, value)
+        else:
+            super().__setattr__(name, value)
 
     def extra_repr(self) -> str:
         return f"mode={self.mode!r}, ops={len(self.order)}"
+
+
+def step_of(runner):
+    """The one-call step (`OptimizedModule.step`: forward, backward and the
+    gradients on the parameters) of a plan's module; any other callable as it is."""
+    return runner.step if isinstance(runner, OptimizedModule) else runner

@@ -10,6 +10,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..analysis.ftrans import divisors
 from ..capture import CaptureError
+from ..distributed import BucketComm
 from ..program import trace
 from ..runtime import OptimizedModule
 from ..simulate.cost import make_cost
@@ -19,6 +20,7 @@ from .algorithm import search
 from .objective import Objective, pareto_add
 from .result import MeasuredMemory, OptimizeResult, Plan, Progress, Region, Timeline
 from .safety import PlanError, SafetyNet
+from .data_parallel import agree, data_parallel
 from .space import Space, State
 from .transfers import swap_ops
 
@@ -58,6 +60,9 @@ class _Builder:
                  safety: SafetyNet | None = None):
         self.model, self.space, self.before, self.profile = model, space, before, profile
         self.safety = safety
+        # Data parallel: modules the search checks and times run one rank alone
+        # (LocalComm); the one handed back all_reduces on the group (`go_live`).
+        self.live = False
 
     def plan_of(self, st: State) -> Plan:
         sp = self.space
@@ -107,7 +112,13 @@ class _Builder:
 
     def module(self, plan: Plan) -> nn.Module:
         st = plan.state
-        return OptimizedModule(self.model, self.space.program.captured, st.graph, st.order)
+        cap = self.space.program.captured
+        dp = self.space.comm
+        if dp is None:
+            return OptimizedModule(self.model, cap, st.graph, st.order)
+        g, order, _ = self.space.bucketed(st.graph, st.order)
+        comm = BucketComm(dp.group) if self.live else None
+        return OptimizedModule(self.model, cap, g, order, comm=comm)
 
     def timeline(self, plan: Plan) -> Timeline:
         st: State = plan.state
@@ -144,6 +155,9 @@ class _Builder:
         its check against eager (Note in `search.safety`): a plan that fails is
         dropped from the front and recorded in ``res.failed``, and the choice is
         made again."""
+        if self.live:
+            raise RuntimeError("a data-parallel plan runs on every rank alike: choose the "
+                               "budget in optimize(..., process_group=...) on every rank")
         while True:
             plan = self.choose(res, mem_budget, lat_budget)
             fail = self.rejection(res, plan)
@@ -283,7 +297,8 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
              progress: Callable[[Progress], object] | None = None,
              max_states: int | None = None, algebra: bool = True,
              fission: bool = True, swap: bool | None = None,
-             verify: bool | None = None) -> OptimizeResult:
+             verify: bool | None = None, process_group=None, comm_link=None,
+             bucket_cap_mb: float | None = None) -> OptimizeResult:
     """Capture ``model``'s step on ``inputs`` and search for a plan within a budget.
 
     ``mem_budget``: a ratio of the unoptimized peak (<= 16) or bytes: the fastest
@@ -313,6 +328,15 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
     kept in ``res.failed`` (`search.safety`). ``verify=False`` skips it (paper-size
     planning on the meta device never verifies).
 
+    ``process_group`` (a group, or True for the default one; every rank calls
+    `optimize` with its shard of the batch) plans the step for data parallel:
+    the gradients go in buckets of ``bucket_cap_mb`` (25) whose
+    ``all_reduce(async_op=True)`` the program issues as soon as the planned
+    backward has finished them, overlapping the rest of the backward; the
+    search prices them on a third stream over ``comm_link`` (measured on the
+    group when None; or "nvlink", "pcie", "ethernet") and counts the buckets'
+    memory. Every rank then runs rank 0's plan (`search.data_parallel`).
+
     An infeasible budget is not an error: the result holds the best plan reached,
     ``met=False`` and a message saying so.
     """
@@ -332,15 +356,23 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
     except Exception as e:  # noqa: BLE001 - see _bug
         raise CaptureError(_bug("building the program from the captured graph", e)) from e
     t_capture = time.perf_counter()
+    dp = None
+    if process_group is not None and process_group is not False:
+        if mode != "train":
+            raise ValueError("process_group plans a training step (mode='train')")
+        dp = data_parallel(process_group, inputs, comm_link, bucket_cap_mb)
     try:
         space = Space(program, cost, async_copies=async_copies, algebra=algebra,
-                      fission=fission, swap=swap)
+                      fission=fission, swap=swap, comm=dp)
         # The program as PyTorch runs it: its order, nothing applied.
         g = program.graph
         base_order = program.to_node_order(program.program_order())
-        tl = program.simulate()
-        before = State((), (), g, [], base_order, tl.peak,
-                       sum(space.costs.of(g, v) for v in base_order), [], 0)
+        if dp is None:
+            peak, latency = program.simulate().peak, sum(space.costs.of(g, v) for v in base_order)
+        else:   # its buckets filled in PyTorch's order
+            latency, tl_dp, *_ = space._data_parallel(g, base_order)
+            peak = tl_dp.peak
+        before = State((), (), g, [], base_order, peak, latency, [], 0)
         root = space.evaluate((), (), g)
     except Exception as e:  # noqa: BLE001
         raise PlanError(_bug("analysing the program", e, hint=True)) from e
@@ -377,4 +409,6 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
     res.timings = {"capture": t_capture - t0, "analysis": t_analysis - t_capture,
                    "search": log.seconds}
     builder.select(res, mem_budget, lat_budget)
+    if dp is not None:
+        agree(res, space, builder)
     return res

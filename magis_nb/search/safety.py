@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from ..capture import split_call
+from ..runtime.module import step_of
 from ..verify import Reference
 from .divergence import first_divergence
 
@@ -112,7 +113,7 @@ class SafetyNet:
         def run(mod):
             ref.restore()
             torch.manual_seed(ref.seed)
-            return mod(*args, **kwargs)
+            return step_of(mod)(*args, **kwargs)
 
         try:
             with torch.random.fork_rng(devices=[]):

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 from ..analysis import DGraph, apply_fission, build_ftree
 from ..analysis.ftree import add_pack_twins
+from ..distributed import DataParallel, add_buckets
 from ..ir.digest import graph_digest
 from ..ir.graph import Graph, Ref, iter_refs
 from ..program import Program
@@ -142,8 +143,10 @@ class Space:
     """Builds and evaluates states of one captured program."""
 
     def __init__(self, program: Program, cost, *, async_copies: bool, levels: int = 4,
-                 algebra: bool = True, fission: bool = True, swap: bool = True):
+                 algebra: bool = True, fission: bool = True, swap: bool = True,
+                 comm: DataParallel | None = None):
         self.program = program
+        self.comm = comm            # data parallel: gradient buckets priced in every state
         self.algebra = algebra      # kill switch for the merge/sink rules (proposals)
         self.swap = swap            # kill switch for swapping (pricing.ranked)
         self.base = program.graph
@@ -240,18 +243,18 @@ class Space:
             tl0 = simulate_memory(mg, s.order)
             live = [tl0.live[i] for i, v in enumerate(nodes) if not _moves(graph, v)]
             nodes = place_transfers(graph, nodes, dur, self.costs.transfer_cost, live)
-            compute, xs = transfers_of(graph, nodes)
-            latency = simulate_latency(graph, compute, self.costs, transfers=xs,
-                                       check=False).total_s
+        if self.comm is not None:
+            latency, tl, mg, refs, graph_b = self._data_parallel(graph, nodes)
         else:
-            latency = sum(dur(v) for v in nodes)
-        tl = simulate_memory(mg, [index[v] for v in nodes])
+            latency = self._latency(graph, nodes)
+            tl = simulate_memory(mg, [index[v] for v in nodes])
+            graph_b = graph
         hot = []
         for i in tl.hotspots:
             st = mg.storages[i]
             r = refs[i]
             if st.category == "activation" and st.producer >= 0 and st.size > 0 \
-                    and not graph.nodes[r.node].region:
+                    and not graph_b.nodes[r.node].region:
                 hot.append((st.size, r))
         hot.sort(key=lambda t: (-t[0], t[1].node, t[1].out))
         self.evaluated += 1
@@ -259,6 +262,30 @@ class Space:
                      tl.peak_steps[0] if tl.peak_steps else 0,
                      digest if digest is not None else graph_digest(graph),
                      0 if parent is None else parent.depth + 1)
+
+
+    def _latency(self, graph: Graph, nodes: list[int], comms=()) -> float:
+        if self.async_copies or comms:
+            compute, xs = transfers_of(graph, nodes) if self.async_copies else (nodes, [])
+            return simulate_latency(graph, compute, self.costs, transfers=xs, check=False,
+                                    comms=comms, comm_cost=self.comm.link.allreduce_cost
+                                    if comms else None).total_s
+        return sum(self.costs.of(graph, v) for v in nodes)
+
+    def bucketed(self, graph: Graph, nodes: list[int]):
+        """(graph, order, buckets) of a plan with its gradients in buckets."""
+        return add_buckets(graph, nodes, self.comm.cap)
+
+    def _data_parallel(self, graph: Graph, nodes: list[int]):
+        """Latency and memory of the plan as it runs data parallel: its gradient
+        buckets are ops and storages (their copies, their memory), their
+        all_reduces the latency model's third stream (`distributed.buckets`)."""
+        g2, order2, buckets = self.bucketed(graph, nodes)
+        mg, op_ids, refs = g2.memgraph()
+        index = {nid: i for i, nid in enumerate(op_ids)}
+        tl = simulate_memory(mg, [index[v] for v in order2])
+        latency = self._latency(g2, order2, [(b.nbytes, b.node) for b in buckets])
+        return latency, tl, mg, refs, g2
 
 
 def _apply_algebra(g: Graph, batch: Batch) -> tuple[Graph, Batch]:

@@ -9,6 +9,11 @@ the first user of the loaded tensor; for a Store it is the op that must not run
 until the tensor is safely on the host (typically the one whose allocation reuses
 its memory), or None. The step is done when both streams are done.
 
+Data parallel adds a third stream (``comms``): each gradient bucket's all_reduce
+starts once its bucket op is done on the compute stream and the previous
+all_reduce is done; nothing waits for it but the end of the step
+(`distributed.buckets`).
+
 This is the model of DESIGN.md §4. A fission region needs nothing special: its part
 copies are ordinary ops with part-sized shapes, so it costs the sum of its parts.
 """
@@ -38,6 +43,8 @@ class LatencyResult:
     order: list[int]
     op_times: dict[int, tuple[float, float]]  # node id -> (start, end)
     transfer_times: list[tuple[float, float]] = field(default_factory=list)
+    comm_s: float = 0.0                      # sum of all_reduce costs (busy comm stream)
+    comm_times: list[tuple[float, float]] = field(default_factory=list)
 
     @property
     def stall_s(self) -> float:
@@ -60,7 +67,8 @@ def _as_transfer(t) -> Transfer:
 
 
 def simulate_latency(graph: Graph, order: Sequence[int], cost: CostModel | Mapping[int, float], *,
-                     transfers: Iterable | None = None, check: bool = True) -> LatencyResult:
+                     transfers: Iterable | None = None, check: bool = True,
+                     comms: Sequence[tuple[int, int]] = (), comm_cost=None) -> LatencyResult:
     """Simulate ``order`` (op node ids) on a compute stream and ``transfers`` on a copy stream.
 
     ``cost`` is a CostModel, or a precomputed node id -> seconds table (see
@@ -69,6 +77,8 @@ def simulate_latency(graph: Graph, order: Sequence[int], cost: CostModel | Mappi
     list each op at most once and respect the graph's dependencies among the listed
     ops. Raises ValueError on a transfer that names a node not in ``order`` or when
     the events deadlock (a Load needed before the op it waits for has run).
+    ``comms``: (nbytes, node id of the bucket op) per all_reduce, in issue order,
+    priced by ``comm_cost(nbytes)``.
     """
     order = list(order)
     pos = {nid: i for i, nid in enumerate(order)}
@@ -126,10 +136,15 @@ def simulate_latency(graph: Graph, order: Sequence[int], cost: CostModel | Mappi
         if not progressed:
             raise ValueError(f"deadlock: op {graph.nodes[order[i]].name} waits for transfer "
                              f"{j}, which waits for a later op")
-    total = max([compute_free, copy_free])
+    comm_free, ctimes = 0.0, []
+    for nbytes, after in comms:
+        s = max(comm_free, end[pos[after]])
+        comm_free = s + float(comm_cost(nbytes))
+        ctimes.append((s, comm_free))
+    total = max([compute_free, copy_free, comm_free])
     return LatencyResult(total, sum(dur), sum(xdur), order,
                          {nid: (start[k], end[k]) for k, nid in enumerate(order)},
-                         list(zip(xstart, xend)))
+                         list(zip(xstart, xend)), sum(e - s for s, e in ctimes), ctimes)
 
 
 def program_latency(program, cost: CostModel | Mapping[int, float],

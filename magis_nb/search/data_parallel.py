@@ -1,0 +1,72 @@
+"""``optimize(..., process_group=...)``: one plan for every rank of a data-parallel job.
+
+Every rank calls `optimize` with its own shard of the batch (same shapes). The
+link is measured on the group (or named), every rank searches with the gradient
+buckets priced in (`Space(comm=...)`), and then all take rank 0's choice: searches
+time ops and stop on the clock, so ranks may pick differently, and a bucket
+layout that differs between ranks would reduce the wrong bytes. A rank whose own
+search chose another plan rebuilds rank 0's from its key (fission regions and
+rewrites), which names the same candidates and ops on every rank (the capture
+and the F-Tree are deterministic); the bucket layouts are compared before any
+step runs.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from ..distributed import DEFAULT_CAP, CommLink, DataParallel, measure_link, nominal_link
+
+
+def _dist():
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("process_group needs torch.distributed initialized "
+                         "(torch.distributed.init_process_group) on every rank")
+    return dist
+
+
+def data_parallel(process_group, inputs, link=None, bucket_cap_mb: float | None = None) -> DataParallel:
+    """The `DataParallel` of ``optimize``'s arguments: ``process_group`` True for the
+    default group; ``link`` a `CommLink`, a name of `distributed.comm.LINKS`, or
+    None to measure the group (a collective)."""
+    dist = _dist()
+    group = None if process_group is True else process_group
+    if isinstance(link, CommLink):
+        lk = link
+    elif link is not None:
+        lk = nominal_link(link, dist.get_world_size(group))
+    else:
+        dev = next((x.device for x in tree_leaves(inputs) if isinstance(x, torch.Tensor)),
+                   torch.device("cpu"))
+        lk = measure_link(group, dev if dist.get_backend(group) == "nccl" else "cpu")
+    cap = DEFAULT_CAP if bucket_cap_mb is None else int(bucket_cap_mb * 2**20)
+    return DataParallel(group, lk, cap)
+
+
+def agree(res, space, builder) -> None:
+    """Every rank takes rank 0's plan; the bucket layouts must match; from here
+    on `res.module` all_reduces on the group."""
+    dist = _dist()
+    dp = space.comm
+    st = res.plan.state
+    key = [(st.plan, st.batches)]
+    dist.broadcast_object_list(key, src=dist.get_global_rank(dp.group, 0) if dp.group is not None
+                               else 0, group=dp.group)
+    plan, batches = key[0]
+    if (plan, batches) != (st.plan, st.batches):
+        g, kept = space.build(plan, batches)
+        chosen = builder.plan_of(space.evaluate(plan, kept, g))
+        res.plan = chosen
+        res.message += " (rank 0's plan: every rank runs the same one)"
+    st = res.plan.state
+    _, _, buckets = space.bucketed(st.graph, st.order)
+    layout = [(b.nbytes, str(b.dtype)) for b in buckets]
+    layouts = [None] * dist.get_world_size(dp.group)
+    dist.all_gather_object(layouts, layout, group=dp.group)
+    if any(lo != layout for lo in layouts):
+        raise RuntimeError(f"the ranks' gradient buckets differ ({layouts}): every rank must "
+                           "optimize the same model with inputs of the same shapes")
+    res._modules.clear()
+    builder.live = True
