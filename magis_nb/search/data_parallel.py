@@ -27,10 +27,12 @@ def _dist():
     return dist
 
 
-def data_parallel(process_group, inputs, link=None, bucket_cap_mb: float | None = None) -> DataParallel:
-    """The `DataParallel` of ``optimize``'s arguments: ``process_group`` True for the
-    default group; ``link`` a `CommLink`, a name of `distributed.comm.LINKS`, or
-    None to measure the group (a collective)."""
+def data_parallel(process_group, inputs, link=None, bucket_cap_mb: float | None = None
+                  ) -> tuple[DataParallel, bool]:
+    """The `DataParallel` of ``optimize``'s arguments, and whether its bucket size
+    is still to choose (`choose_cap`): ``process_group`` True for the default
+    group; ``link`` a `CommLink`, a name of `distributed.comm.LINKS`, or None to
+    measure the group (a collective)."""
     dist = _dist()
     group = None if process_group is True else process_group
     if isinstance(link, CommLink):
@@ -42,7 +44,37 @@ def data_parallel(process_group, inputs, link=None, bucket_cap_mb: float | None 
                    torch.device("cpu"))
         lk = measure_link(group, dev if dist.get_backend(group) == "nccl" else "cpu")
     cap = DEFAULT_CAP if bucket_cap_mb is None else int(bucket_cap_mb * 2**20)
-    return DataParallel(group, lk, cap)
+    return DataParallel(group, lk, cap), bucket_cap_mb is None
+
+
+def choose_cap(space, graph, order) -> None:
+    """The bucket size, when the user gave none: the one whose simulated step
+    (PyTorch's order, the measured link) is fastest among DDP's 25 MiB and 1/2 to
+    1/16 of all the gradients (no less than 64 KiB); ties go to fewer buckets.
+    Small models fit in one 25 MiB bucket, which is issued only when the
+    backward ends and hides nothing; many small buckets pay the link's latency
+    per call. Rank 0's choice is every rank's (op times differ between ranks)."""
+    import dataclasses
+
+    dist = _dist()
+    dp = space.comm
+    total = sum(graph.tensor(r).nbytes for r, role in zip(graph.outputs, graph.output_roles)
+                if role and role[0] == "grad")
+    caps = sorted({DEFAULT_CAP} | {max(total // k, 64 * 2**10) for k in (2, 4, 8, 16)}, reverse=True)
+    best = None
+    for cap in caps:
+        space.comm = dataclasses.replace(dp, cap=cap)
+        lat = space._data_parallel(graph, order)[0]
+        if best is None or lat < best[0] * (1 - 1e-3):
+            best = (lat, cap)
+    box = [best[1]]
+    dist.broadcast_object_list(box, src=_src(dp.group), group=dp.group)
+    space.comm = dataclasses.replace(dp, cap=box[0])
+
+
+def _src(group) -> int:
+    dist = _dist()
+    return dist.get_global_rank(group, 0) if group is not None else 0
 
 
 def agree(res, space, builder) -> None:
@@ -52,8 +84,7 @@ def agree(res, space, builder) -> None:
     dp = space.comm
     st = res.plan.state
     key = [(st.plan, st.batches)]
-    dist.broadcast_object_list(key, src=dist.get_global_rank(dp.group, 0) if dp.group is not None
-                               else 0, group=dp.group)
+    dist.broadcast_object_list(key, src=_src(dp.group), group=dp.group)
     plan, batches = key[0]
     if (plan, batches) != (st.plan, st.batches):
         g, kept = space.build(plan, batches)

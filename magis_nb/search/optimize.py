@@ -20,7 +20,7 @@ from .algorithm import search
 from .objective import Objective, pareto_add
 from .result import MeasuredMemory, OptimizeResult, Plan, Progress, Region, Timeline
 from .safety import PlanError, SafetyNet
-from .data_parallel import agree, data_parallel
+from .data_parallel import agree, choose_cap, data_parallel
 from .space import Space, State
 from .transfers import swap_ops
 
@@ -330,12 +330,12 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
 
     ``process_group`` (a group, or True for the default one; every rank calls
     `optimize` with its shard of the batch) plans the step for data parallel:
-    the gradients go in buckets of ``bucket_cap_mb`` (25) whose
-    ``all_reduce(async_op=True)`` the program issues as soon as the planned
-    backward has finished them, overlapping the rest of the backward; the
-    search prices them on a third stream over ``comm_link`` (measured on the
-    group when None; or "nvlink", "pcie", "ethernet") and counts the buckets'
-    memory. Every rank then runs rank 0's plan (`search.data_parallel`).
+    the gradients go in buckets of ``bucket_cap_mb`` MiB (None: the size whose
+    simulated step is fastest, `choose_cap`) whose ``all_reduce(async_op=True)``
+    the program issues as soon as the planned backward has finished them,
+    overlapping the rest of the backward; the search prices them on a third
+    stream over ``comm_link`` (measured on the group when None; or "nvlink",
+    "pcie", "ethernet") and counts the buckets' memory. Every rank then runs rank 0's plan (`search.data_parallel`).
 
     An infeasible budget is not an error: the result holds the best plan reached,
     ``met=False`` and a message saying so.
@@ -360,7 +360,7 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
     if process_group is not None and process_group is not False:
         if mode != "train":
             raise ValueError("process_group plans a training step (mode='train')")
-        dp = data_parallel(process_group, inputs, comm_link, bucket_cap_mb)
+        dp, pick_cap = data_parallel(process_group, inputs, comm_link, bucket_cap_mb)
     try:
         space = Space(program, cost, async_copies=async_copies, algebra=algebra,
                       fission=fission, swap=swap, comm=dp)
@@ -370,6 +370,8 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
         if dp is None:
             peak, latency = program.simulate().peak, sum(space.costs.of(g, v) for v in base_order)
         else:   # its buckets filled in PyTorch's order
+            if pick_cap:
+                choose_cap(space, g, base_order)
             latency, tl_dp, *_ = space._data_parallel(g, base_order)
             peak = tl_dp.peak
         before = State((), (), g, [], base_order, peak, latency, [], 0)
