@@ -67,9 +67,13 @@ Reported per model (max over ranks where a rank-local number is involved):
 * ``plan`` (res.message), ``sim_peak`` (res.plan.peak, buckets included),
   ``magis_peak`` / ``ddp_peak`` (bytes), ``buckets``, ``link``.
 
-The budget (``--budget``, default ``lat:1.10``) bounds the plan's *simulated*
-latency (buckets priced on the measured gloo link); it is not re-fitted on
-measured time (``fit_measured`` times plans one rank alone and cannot run here).
+The budget (``--budget``, default ``mem:0.4``) is the plan's: a memory ratio
+(the fastest plan under it) or ``lat:RATIO`` on its *simulated* latency (buckets
+priced on the measured gloo link). A latency budget is not re-fitted on measured
+time here (``fit_measured`` times plans one rank alone), and on these tiny
+models the simulator prices many-part splits as cheaper than they run (the
+tiny GPT split in 24 simulated x0.975, measured x1.36 of DDP), so the default
+asks for memory.
 """
 from __future__ import annotations
 
@@ -497,8 +501,8 @@ def main(argv) -> int:
     p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
     p.add_argument("--reps", type=int, default=15, help="timed (DDP, magis) pairs (default 15)")
     p.add_argument("--warmup", type=int, default=3, help="untimed pairs first (default 3)")
-    p.add_argument("--budget", default="lat:1.10",
-                   help="the plan's budget: lat:RATIO or mem:RATIO (default lat:1.10)")
+    p.add_argument("--budget", default="mem:0.4",
+                   help="the plan's budget: lat:RATIO or mem:RATIO (default mem:0.4)")
     p.add_argument("--time-budget", type=float, default=20.0, help="search seconds (default 20)")
     p.add_argument("--max-states", type=int, default=40, help="search states (default 40)")
     p.add_argument("--bucket-cap-mb", type=float, default=None,

@@ -12,6 +12,8 @@ step runs.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.utils._pytree import tree_leaves
 
@@ -58,8 +60,8 @@ def choose_cap(space, graph, order) -> None:
 
     dist = _dist()
     dp = space.comm
-    total = sum(graph.tensor(r).nbytes for r, role in zip(graph.outputs, graph.output_roles)
-                if role and role[0] == "grad")
+    total = sum(math.prod(graph.tensor(r).shape) * graph.tensor(r).dtype.itemsize
+                for r, role in zip(graph.outputs, graph.output_roles) if role and role[0] == "grad")
     caps = sorted({DEFAULT_CAP} | {max(total // k, 64 * 2**10) for k in (2, 4, 8, 16)}, reverse=True)
     best = None
     for cap in caps:
