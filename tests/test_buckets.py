@@ -111,3 +111,26 @@ def test_measured_peak_of_the_autograd_call_with_buckets():
     peak = measure_cpu(lambda: mod(*case.inputs).backward(), base).peak
     assert peak == _sim_peak(g, o)
     assert all(p.grad is not None and p.grad.is_contiguous() for p in case.model.parameters())
+
+
+def test_the_search_space_prices_buckets_and_communication():
+    """`Space(comm=...)` evaluates every state with its buckets: their memory in the
+    peak, their all_reduces on the latency model's third stream."""
+    from magis_nb.distributed import DataParallel, nominal_link
+    from magis_nb.search.space import Space
+    from magis_nb.simulate.cost import make_cost
+
+    case = zoo.build("gpt", "tiny")
+    prog = trace(case.model, case.inputs, loss_fn=case.loss_fn)
+    plain = Space(prog, make_cost("rtx3090"), async_copies=True, fission=False)
+    slow = Space(prog, make_cost("rtx3090"), async_copies=True, fission=False,
+                 comm=DataParallel(None, nominal_link("ethernet", 8), cap=1 << 16))
+    fast = Space(prog, make_cost("rtx3090"), async_copies=True, fission=False,
+                 comm=DataParallel(None, nominal_link("nvlink", 8), cap=1 << 16))
+    a, b, c = (sp.evaluate((), (), prog.graph) for sp in (plain, slow, fast))
+    assert a.order == b.order == c.order                 # states keep the plain program
+    g, o, buckets = slow.bucketed(b.graph, b.order)
+    assert b.peak == _sim_peak(g, o) >= a.peak
+    comm = sum(slow.comm.link.allreduce_cost(x.nbytes) for x in buckets)
+    assert a.latency < c.latency < b.latency                 # a slower link, a slower step
+    assert b.latency >= comm                                  # ethernet: communication bound

@@ -143,3 +143,29 @@ def test_swap_flags():
     assert flags("--swap --profile rtx3090").swap is True
     with pytest.raises(UsageError, match="--swap or --no-swap"):
         flags("--swap --no-swap")
+
+
+def test_ddp_flag_needs_torch_distributed():
+    import os
+
+    import torch.distributed as dist
+    from IPython.core.error import UsageError
+    from IPython.core.magic_arguments import parse_argstring
+
+    from magis_nb.notebook.flags import from_args
+    from magis_nb.notebook.magic import MagisMagics
+
+    def flags(line):
+        return from_args(parse_argstring(MagisMagics.magis, line))
+    assert flags("").ddp is False
+    with pytest.raises(UsageError, match="init_process_group first"):
+        flags("--ddp")
+    from magis_nb.bench.ddp import free_port
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        assert flags("--ddp --mem 0.5").ddp is True
+        with pytest.raises(UsageError, match="training step"):
+            flags("--ddp --mode infer")
+    finally:
+        dist.destroy_process_group()

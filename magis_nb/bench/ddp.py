@@ -121,7 +121,9 @@ def split_batch(inputs: tuple, world: int) -> tuple[tuple, int]:
 
 
 def shard_of(inputs: tuple, world: int, rank: int) -> tuple:
-    return tuple(t.chunk(world)[rank].contiguous() for t in inputs)
+    # a copy: a slice along dim 0 is already contiguous and would keep the whole
+    # batch's storage alive, which the measured peaks would count (not the shard)
+    return tuple(t.chunk(world)[rank].clone() for t in inputs)
 
 
 # -- one rank ----------------------------------------------------------------------------

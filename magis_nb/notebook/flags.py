@@ -35,6 +35,7 @@ class MagisFlags:
     algebra: bool = True
     measured: bool = False             # the latency budget holds for measured wall time
     swap: bool | None = None           # None: optimize's default (swaps only for a GPU)
+    ddp: bool = False                  # data parallel on torch.distributed's default group
 
 
 def parse_mem(text: str | None) -> float | int | None:
@@ -115,6 +116,16 @@ def from_args(args) -> MagisFlags:
     profile = check_profile(args.profile)
     if args.swap and args.no_swap:
         raise UsageError("give --swap or --no-swap, not both")
+    if args.ddp:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise UsageError("--ddp plans data parallel on torch.distributed's default group: "
+                             "call torch.distributed.init_process_group first, on every rank "
+                             "(each rank runs this cell with its shard of the batch)")
+        if args.mode != "train" or args.measured:
+            raise UsageError("--ddp plans a training step (not --mode infer) and its budget "
+                             "is the plan's own (not --measured)")
     if args.measured:
         if args.mem is not None:
             raise UsageError("--measured times plans against a latency budget: use it with "
@@ -137,4 +148,5 @@ def from_args(args) -> MagisFlags:
         algebra=not args.no_algebra,
         measured=args.measured,
         swap=True if args.swap else False if args.no_swap else None,
+        ddp=args.ddp,
     )

@@ -48,6 +48,9 @@ class MagisMagics(Magics):
               "host and device memory are the same RAM there)")
     @argument("--swap", action="store_true",
               help="allow swapping to host memory (the default on a GPU or with a GPU --profile)")
+    @argument("--ddp", action="store_true",
+              help="data parallel: every rank runs the cell with its shard; gradient buckets "
+              "are all_reduced from inside the plan (torch.distributed initialized first)")
     @argument("--measured", action="store_true",
               help="the latency budget (--lat, default 1.1) holds for wall time measured "
               "against eager PyTorch here: plans of the Pareto front are timed (at most 6)")
@@ -84,7 +87,8 @@ class MagisMagics(Magics):
             result = optimize(found.model, found.inputs, loss_fn=found.loss_fn, mode=args.mode,
                               mem_budget=args.mem, lat_budget=args.lat, time_budget=args.time,
                               device_profile=args.profile, progress=progress,
-                              algebra=args.algebra, swap=args.swap)
+                              algebra=args.algebra, swap=args.swap,
+                              process_group=True if args.ddp else None)
         except CaptureError as e:
             if progress is not None:
                 progress.close(failed="capture failed")
@@ -129,7 +133,8 @@ class MagisMagics(Magics):
         if plot:
             show_png(timeline_figure(r), "<memory timeline before/after>")
             show_png(pareto_figure(r), "<Pareto front: peak vs latency>")
-        if in_kernel(self.shell) and len(r.pareto) > 1:
+        # a data-parallel plan is every rank's: no re-selection on one rank
+        if in_kernel(self.shell) and len(r.pareto) > 1 and not r.builder.live:
             from .slider import BudgetSlider
             slider = BudgetSlider(session, plot=plot)
             self.sliders[session.name] = slider

@@ -231,11 +231,11 @@ def generate(g: Graph, order: Sequence[int], fn_name: str = "step") -> str:
     variable from outside the loop is deleted in the last iteration, where the
     unrolled program would delete it).
 
-    A program with gradient buckets takes a keyword ``_comm`` (see
-    `distributed.buckets`). A training program takes a keyword ``_seed``, the backward's seed (see
-    `ir.graph.LossSeed`). A program with swaps takes a keyword ``_io`` (see `runtime.copies`): the
-    same source runs with synchronous copies (the default) or with asynchronous
-    ones on a CUDA copy stream.
+    A training program takes a keyword ``_seed``, the backward's seed (see
+    `ir.graph.LossSeed`); one with gradient buckets a keyword ``_comm`` (see
+    `distributed.buckets`). A program with swaps takes a keyword ``_io`` (see
+    `runtime.copies`): the same source runs with synchronous copies (the default)
+    or with asynchronous ones on a CUDA copy stream.
     """
     if sorted(order) != sorted(n.id for n in g.ops):
         raise ValueError("the schedule must contain every op exactly once")

@@ -287,7 +287,7 @@ class OptimizedModule(nn.Module):
                                  "parameters' gradients only; pass inputs.detach() (or leave "
                                  "the step to eager PyTorch)")
         params, buffers = self._state()
-        seed = self._loss_seed(inputs[0].device)
+        seed = self._loss_seed()
         outs = self._run(inputs, params, buffers, seed)
         loss, grads = self._split(outs, params, buffers)
         del outs
@@ -296,7 +296,7 @@ class OptimizedModule(nn.Module):
         del grads
         return _PlannedStep.apply(_Box(loss, seed, gs), *ps)
 
-    def _loss_seed(self, dev: torch.device) -> float:
+    def _loss_seed(self) -> float:
         sc = self.grad_scaler
         if sc is None or not sc.is_enabled():
             return 1.0

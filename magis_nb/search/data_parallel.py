@@ -66,7 +66,7 @@ def choose_cap(space, graph, order) -> None:
     best = None
     for cap in caps:
         space.comm = dataclasses.replace(dp, cap=cap)
-        lat = space._data_parallel(graph, order)[0]
+        lat = space.with_buckets(graph, order)[0]
         if best is None or lat < best[0] * (1 - 1e-3):
             best = (lat, cap)
     box = [best[1]]

@@ -372,7 +372,7 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
         else:   # its buckets filled in PyTorch's order
             if pick_cap:
                 choose_cap(space, g, base_order)
-            latency, tl_dp, *_ = space._data_parallel(g, base_order)
+            latency, tl_dp, *_ = space.with_buckets(g, base_order)
             peak = tl_dp.peak
         before = State((), (), g, [], base_order, peak, latency, [], 0)
         root = space.evaluate((), (), g)

@@ -244,7 +244,7 @@ class Space:
             live = [tl0.live[i] for i, v in enumerate(nodes) if not _moves(graph, v)]
             nodes = place_transfers(graph, nodes, dur, self.costs.transfer_cost, live)
         if self.comm is not None:
-            latency, tl, mg, refs, graph_b = self._data_parallel(graph, nodes)
+            latency, tl, mg, refs, graph_b = self.with_buckets(graph, nodes)
         else:
             latency = self._latency(graph, nodes)
             tl = simulate_memory(mg, [index[v] for v in nodes])
@@ -263,7 +263,6 @@ class Space:
                      digest if digest is not None else graph_digest(graph),
                      0 if parent is None else parent.depth + 1)
 
-
     def _latency(self, graph: Graph, nodes: list[int], comms=()) -> float:
         if self.async_copies or comms:
             compute, xs = transfers_of(graph, nodes) if self.async_copies else (nodes, [])
@@ -276,7 +275,7 @@ class Space:
         """(graph, order, buckets) of a plan with its gradients in buckets."""
         return add_buckets(graph, nodes, self.comm.cap)
 
-    def _data_parallel(self, graph: Graph, nodes: list[int]):
+    def with_buckets(self, graph: Graph, nodes: list[int]):
         """Latency and memory of the plan as it runs data parallel: its gradient
         buckets are ops and storages (their copies, their memory), their
         all_reduces the latency model's third stream (`distributed.buckets`)."""
