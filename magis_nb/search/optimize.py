@@ -61,7 +61,7 @@ class _Builder:
         self.model, self.space, self.before, self.profile = model, space, before, profile
         self.safety = safety
         # Data parallel: modules the search checks and times run one rank alone
-        # (LocalComm); the one handed back all_reduces on the group (`go_live`).
+        # (LocalComm); the one handed back all_reduces on the group (`data_parallel.agree`).
         self.live = False
 
     def plan_of(self, st: State) -> Plan:
