@@ -243,3 +243,25 @@ def test_optimize_result_module_trains_with_backward():
     F.cross_entropy(eager(x), y).backward()
     for p, q in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_parameter_names_do_not_change_the_program_keywords():
+    """The program's keywords come from the graph, not from reading its source:
+    a parameter called ``..._comm_...`` or ``..._seed_...`` is just a parameter."""
+    class Named(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc_comm, self.rand_seed = nn.Linear(16, 8), nn.Linear(8, 5)
+
+        def forward(self, x):
+            return self.rand_seed(torch.tanh(self.enc_comm(x)))
+
+    torch.manual_seed(0)
+    model, x, y = Named(), torch.randn(8, 16), torch.randint(0, 5, (8,))
+    eager = copy.deepcopy(model)
+    mod = _module(model, x, y)
+    assert "_comm" in mod.code.splitlines()[0] and mod.comm is None
+    mod(x, y).backward()
+    F.cross_entropy(eager(x), y).backward()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)

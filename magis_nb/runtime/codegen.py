@@ -154,7 +154,7 @@ def _line(g: Graph, nid: int, loop_var: bool = False, swaps: _Swaps | None = Non
     if special is not None:
         return f"{lhs} = {special}"
     if n.target == BUCKET_TARGET:       # its all_reduce is issued here (distributed/buckets.py)
-        k = _buckets(g).index(nid)
+        k = bucket_nodes(g).index(nid)
         return f"{lhs} = _comm.bucket({k}, {_render(g, n.args[0])})  # {_shape_note(g, nid)}"
     call = _call(g, nid)
     if loop_var and n.target == "aten.narrow.default" and isinstance(n.region, Region) and n.region.chunk:
@@ -215,11 +215,13 @@ def _part_signature(g: Graph, part: Sequence[int]) -> list:
     return sig
 
 
-def _buckets(g: Graph) -> list[int]:
+def bucket_nodes(g: Graph) -> list[int]:
+    """The gradient bucket ops: their program takes ``_comm``."""
     return [n.id for n in g.ops if n.target == BUCKET_TARGET]
 
 
-def _seeded(g: Graph) -> bool:
+def seeded(g: Graph) -> bool:
+    """Whether the program's backward seed is an argument: it takes ``_seed``."""
     return any(isinstance(a, LossSeed) for n in g.ops for a in n.args)
 
 
@@ -245,8 +247,8 @@ def generate(g: Graph, order: Sequence[int], fn_name: str = "step") -> str:
         if isinstance(n.region, Region):
             sizes[n.region.rid] = sizes.get(n.region.rid, 0) + 1
     swaps = _Swaps(g, order)
-    buckets = bool(_buckets(g))
-    kw = (["_io=_SYNC"] if swaps.any else []) + (["_seed=1.0"] if _seeded(g) else []) \
+    buckets = bool(bucket_nodes(g))
+    kw = (["_io=_SYNC"] if swaps.any else []) + (["_seed=1.0"] if seeded(g) else []) \
         + (["_comm"] if buckets else [])
     params = ", ".join(["_dev"] + [n.name for n in g.inputs] + (["*"] + kw if kw else []))
     lines = [f"def {fn_name}({params}):"]

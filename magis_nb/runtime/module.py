@@ -12,7 +12,7 @@ from ..capture.outputs import unflatten
 from ..distributed.comm import LocalComm
 from ..ir.graph import Graph
 from ..rules.swap import pool_inputs, swap_ops
-from .codegen import compile_source, generate
+from .codegen import bucket_nodes, compile_source, generate, seeded
 from .copies import copies_for, host_buffer
 
 
@@ -128,10 +128,10 @@ class OptimizedModule(nn.Module):
         self._last_dev = None           # the device of the last step that swapped
         self.grad_scaler = None         # a torch.amp.GradScaler whose scale seeds the backward
         self._inference: list = []      # see `inference`
-        self._seeded = "_seed=" in self.code.split("\n", 1)[0]
+        self._seeded = seeded(graph)
         # A program with gradient buckets all_reduces them through ``comm``
         # (distributed/comm.py); one rank alone by default.
-        self._bucketed = "_comm" in self.code.split("\n", 1)[0]
+        self._bucketed = bool(bucket_nodes(graph))
         self.comm = comm if comm is not None else (LocalComm() if self._bucketed else None)
         # A copies object to use on every device instead (e.g. one whose copies are
         # opaque custom ops, for torch.compile: bench/peers_compile.py).
