@@ -146,17 +146,16 @@ def _compare(a: dict, b: dict) -> tuple[bool, float]:
     return ok, worst
 
 
-def _agree(dist, ok: bool, diff: float) -> tuple[bool, float]:
-    """(every rank ok, largest difference of any rank)."""
-    t = torch.tensor([0.0 if ok else 1.0, diff], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t[0].item() == 0.0, t[1].item()
-
-
 def _max(dist, xs) -> list[float]:
     t = torch.tensor(list(xs), dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
+
+
+def _agree(dist, ok: bool, diff: float) -> tuple[bool, float]:
+    """(every rank ok, largest difference of any rank)."""
+    bad, worst = _max(dist, [0.0 if ok else 1.0, diff])
+    return bad == 0.0, worst
 
 
 def _train(step, opt, steps: int, seed: int | None = None) -> list[float]:
@@ -272,9 +271,9 @@ def _rank_work(rank: int, world: int, port: int, cfg: dict) -> dict | None:
     single = single[0]
 
     # 2. DDP eager on the shards
+    ddp_kw = {"bucket_cap_mb": cfg["bucket_cap_mb"]} if cfg["bucket_cap_mb"] else {}
     m_ddp = copy.deepcopy(init)
-    ddp = DDP(m_ddp, broadcast_buffers=False,
-              **({"bucket_cap_mb": cfg["bucket_cap_mb"]} if cfg["bucket_cap_mb"] else {}))
+    ddp = DDP(m_ddp, broadcast_buffers=False, **ddp_kw)
     opt_ddp = sgd(ddp.parameters())
 
     def ddp_step():
@@ -305,8 +304,7 @@ def _rank_work(rank: int, world: int, port: int, cfg: dict) -> dict | None:
     m_pl = copy.deepcopy(init)
     plain = optimize(m_pl, shard, loss_fn=loss_fn, **{f"{kind}_budget": budget},
                      time_budget=cfg["plain_time_budget"], max_states=cfg["plain_max_states"])
-    wrapped = DDP(plain.module, broadcast_buffers=False,
-                  **({"bucket_cap_mb": cfg["bucket_cap_mb"]} if cfg["bucket_cap_mb"] else {}))
+    wrapped = DDP(plain.module, broadcast_buffers=False, **ddp_kw)
     _train(lambda w=wrapped: _backward(w(*shard)), sgd(wrapped.parameters()), steps, seed)
     ok_wr, d_wr = _agree(dist, *_compare(_state(m_pl), _state(m_ddp)))
     plain_msg = plain.message
@@ -380,7 +378,8 @@ def _rank_work(rank: int, world: int, port: int, cfg: dict) -> dict | None:
         "magis_step_ms": round(statistics.median(t[1] for t in times) * 1e3, 2),
         "ratios": [round(r, 4) for r in ratios],
         **ov, "buckets": len(buckets), "bucket_bytes": [b.nbytes for b in buckets],
-        "bucket_cap_mb": cfg["bucket_cap_mb"] or 25.0,
+        # magis's own choice when none was given (`choose_cap`); DDP then has its 25
+        "bucket_cap_mb": round(res.builder.space.comm.cap / 2**20, 4),
         "peak_ratio": round(magis_peak / ddp_peak, 4),
         "magis_peak": magis_peak, "ddp_peak": ddp_peak, "ddp_bucket_bytes": grad_bytes,
         "sim_peak": res.plan.peak, "sim_before_peak": res.before.peak,
@@ -508,7 +507,8 @@ def main(argv) -> int:
     p.add_argument("--time-budget", type=float, default=20.0, help="search seconds (default 20)")
     p.add_argument("--max-states", type=int, default=40, help="search states (default 40)")
     p.add_argument("--bucket-cap-mb", type=float, default=None,
-                   help="gradient bucket cap for magis and DDP alike (default: 25, both defaults)")
+                   help="gradient bucket cap for magis and DDP alike (default: DDP's 25, and "
+                   "magis's choice of the simulated step's fastest)")
     p.add_argument("--keep-dropout", action="store_true",
                    help="keep the zoo's dropout (gpt: 0.1); by default it is set to 0, so that "
                    "single-process equality can hold")

@@ -65,6 +65,11 @@ def is_bucket(g: Graph, nid: int) -> bool:
     return g.nodes[nid].target == BUCKET_TARGET
 
 
+def dense_bytes(t: TensorInfo) -> int:
+    """Bytes of ``t`` laid out densely (a view's own size, which ``nbytes`` is not)."""
+    return math.prod(t.shape) * t.dtype.itemsize
+
+
 def _ready(g: Graph, order: Sequence[int]) -> dict[int, int]:
     """Graph output index -> position in ``order`` after which that gradient is final
     (-1: a graph input). A gradient finished inside a fission loop is final
@@ -96,7 +101,7 @@ def group_buckets(g: Graph, order: Sequence[int], cap: int = DEFAULT_CAP) -> lis
     size, dtype = 0, None
     for k in sorted(ready, key=lambda k: (ready[k], k)):
         t = g.tensor(g.outputs[k])
-        b = math.prod(t.shape) * t.dtype.itemsize
+        b = dense_bytes(t)
         if groups and t.dtype == dtype and size + b <= cap:
             groups[-1][1].append(k)
             groups[-1] = (ready[k], groups[-1][1])
@@ -121,7 +126,7 @@ def add_buckets(g: Graph, order: Sequence[int], cap: int = DEFAULT_CAP
         infos = [g.tensor(g.outputs[m]) for m in members]
         dtype = infos[0].dtype
         numel = sum(math.prod(t.shape) for t in infos)
-        nbytes = numel * dtype.itemsize
+        nbytes = sum(dense_bytes(t) for t in infos)
         bid = len(nodes)
         nodes.append(Node(id=bid, name=unique_ident(f"bucket_{k}", taken), kind="op",
                           target=BUCKET_TARGET, op=BUCKET,

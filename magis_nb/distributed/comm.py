@@ -103,7 +103,6 @@ class BucketRecord:
 
 class LocalComm:
     """Buckets without communication: the program as one rank alone runs it."""
-    world = 1
 
     def bucket(self, k: int, grads) -> torch.Tensor:
         return bucket_copy(grads)

@@ -233,9 +233,23 @@ class OptimizedModule(nn.Module):
                     buffers[role[1]].copy_(o)
         return loss, grads
 
-    def _state(self):
+    def _execute(self, args: tuple, kwargs: dict, seed: float = 1.0, *, input_grads: bool = True):
+        """Run the program on a call's inputs: (outputs, None, None) for an
+        inference plan, else (loss, {param name: gradient}, parameters by name),
+        buffers updated. ``input_grads=False`` refuses inputs that require grad."""
+        inputs = self._tensors(args, kwargs)
+        self._check(inputs)
+        if not input_grads and any(x.requires_grad for x in inputs):
+            raise ValueError("an input requires grad: the planned backward computes the "
+                             "parameters' gradients only; pass inputs.detach() (or leave "
+                             "the step to eager PyTorch)")
         # by their first names: a tied weight is one graph input (capture/export.py)
-        return dict(self.model.named_parameters()), dict(self.model.named_buffers())
+        params, buffers = dict(self.model.named_parameters()), dict(self.model.named_buffers())
+        outs = self._run(inputs, params, buffers, seed)
+        if self.mode == "infer":
+            return self._outputs(outs), None, None
+        loss, grads = self._split(outs, params, buffers)
+        return loss, grads, params
 
     def step(self, *args, **kwargs):
         """One training step in one call: forward *and* backward, gradients
@@ -244,14 +258,9 @@ class OptimizedModule(nn.Module):
         plans: the model's outputs.) This is what `forward` does before the
         gradients are handed over by ``loss.backward()``; benchmarks and checks
         against eager call it directly."""
-        inputs = self._tensors(args, kwargs)
-        self._check(inputs)
-        params, buffers = self._state()
-        outs = self._run(inputs, params, buffers)
+        loss, grads, params = self._execute(args, kwargs)
         if self.mode == "infer":
-            return self._outputs(outs)
-        loss, grads = self._split(outs, params, buffers)
-        del outs
+            return loss
         with torch.no_grad():
             for name, g in grads.items():
                 p = params[name]
@@ -279,18 +288,8 @@ class OptimizedModule(nn.Module):
                 f"this module runs a planned training step (forward and backward), called "
                 f"{why}: plan the forward too, `model_opt.inference = magis_nb.optimize("
                 f"model, inputs, mode='infer').module`, or call the model itself")
-        inputs = self._tensors(args, kwargs)
-        self._check(inputs)
-        for x in inputs:
-            if x.requires_grad:
-                raise ValueError("an input requires grad: the planned backward computes the "
-                                 "parameters' gradients only; pass inputs.detach() (or leave "
-                                 "the step to eager PyTorch)")
-        params, buffers = self._state()
         seed = self._loss_seed()
-        outs = self._run(inputs, params, buffers, seed)
-        loss, grads = self._split(outs, params, buffers)
-        del outs
+        loss, grads, params = self._execute(args, kwargs, seed, input_grads=False)
         ps = [params[n] for n in self._param_names]
         gs = [grads.get(n) if p.requires_grad else None for n, p in zip(self._param_names, ps)]
         del grads

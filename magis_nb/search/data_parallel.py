@@ -12,12 +12,11 @@ step runs.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.utils._pytree import tree_leaves
 
 from ..distributed import DEFAULT_CAP, CommLink, DataParallel, measure_link, nominal_link
+from ..distributed.buckets import dense_bytes
 
 
 def _dist():
@@ -60,7 +59,7 @@ def choose_cap(space, graph, order) -> None:
 
     dist = _dist()
     dp = space.comm
-    total = sum(math.prod(graph.tensor(r).shape) * graph.tensor(r).dtype.itemsize
+    total = sum(dense_bytes(graph.tensor(r))
                 for r, role in zip(graph.outputs, graph.output_roles) if role and role[0] == "grad")
     caps = sorted({DEFAULT_CAP} | {max(total // k, 64 * 2**10) for k in (2, 4, 8, 16)}, reverse=True)
     best = None
