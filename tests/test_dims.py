@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from magis_nb import zoo
+from magis_nb.analysis.causal import CausalPart
 from magis_nb.analysis.dims import Axis, op_dims
+from magis_nb.analysis.dims_base import dim_index
 from magis_nb.ir.build import op_name
 from magis_nb.ir.graph import Node, Ref, TensorInfo, iter_refs
 from magis_nb.program import trace
@@ -79,6 +81,16 @@ def split_counts(size: int) -> list[int]:
     return sorted(ns)
 
 
+def _part(x, d, k: int, n: int):
+    """Part k of n of ``x`` along listed dim ``d`` (Note [blocked dims])."""
+    if isinstance(d, tuple):
+        d, blk = d
+        c = blk // n
+        return x.unflatten(d, (x.shape[d] // blk, blk)).narrow(d + 1, k * c, c).flatten(d, d + 1)
+    L = x.shape[d] // n
+    return x.narrow(d, k * L, L)
+
+
 def check_axis(node: Node, tensors, full, od, a: int, n: int) -> None:
     """Run ``node`` in n parts along axis ``a`` of ``od`` and compare with ``full``."""
     axis: Axis = od.axes[a]
@@ -92,7 +104,7 @@ def check_axis(node: Node, tensors, full, od, a: int, n: int) -> None:
             continue
         s = list(t.shape)
         if i in dims_out:
-            s[dims_out[i]] //= n
+            s[dim_index(dims_out[i])] //= n
         part_shapes.append(tuple(s))
     args, kwargs = od.chunk_args(node, a, part_shapes)
     outs = []
@@ -100,21 +112,23 @@ def check_axis(node: Node, tensors, full, od, a: int, n: int) -> None:
         ins = []
         for j, x in enumerate(tensors):
             if j in dims_in:
-                d = dims_in[j]
-                L = x.shape[d] // n
-                x = x.narrow(d, k * L, L)
+                x = _part(x, dims_in[j], k, n)
+                if j in od.contiguous:     # as apply_fission hands it over
+                    x = x.contiguous()
             ins.append(x)
-        outs.append(_call(node, ins, args, kwargs))
+        # a causal op split along its queries: part k's own mask rows (analysis/causal.py)
+        a_k = tuple(x.make(ins[x.q], k) if isinstance(x, CausalPart) else x for x in args)
+        kw_k = {nm: x.make(ins[x.q], k) if isinstance(x, CausalPart) else x
+                for nm, x in kwargs.items()}
+        outs.append(_call(node, ins, a_k, kw_k))
     exact = node.target in UNDEFINED
     for i, f in enumerate(full):
         if node.outputs[i] is None or not isinstance(f, torch.Tensor):
             continue
         what = f"{node.target} axis {axis} n={n} output {i}"
         if i in dims_out:
-            d = dims_out[i]
-            L = f.shape[d] // n
             for k in range(n):
-                _same(outs[k][i], f.narrow(d, k * L, L), exact, f"{what} part {k}")
+                _same(outs[k][i], _part(f, dims_out[i], k, n), exact, f"{what} part {k}")
         elif axis.combine is not None:
             merged = _merge([o[i] for o in outs], axis.combine, n)
             if merged.dtype != f.dtype and f.dtype.is_floating_point:
@@ -270,9 +284,17 @@ def test_view_merge_and_split():
     x = r(4, 6, 5)
     node, ts = make(aten.view.default, x, [24, 5])
     od = dims_of(node, ts)
+    # the inner merged dim (6) lives on as blocks of 6 in the merged one
+    # (Note [blocked dims]); check_node runs it in parts as apply_fission does
     assert [(a.size, a.inputs, a.outputs) for a in od.axes] == [
-        (4, ((0, 0),), ((0, 0),)), (5, ((0, 2),), ((0, 1),))]
+        (4, ((0, 0),), ((0, 0),)), (6, ((0, 1),), ((0, (0, 6)),)), (5, ((0, 2),), ((0, 1),))]
     assert od.chunk_args(node, 0, [(12, 5)]) == ((Ref(0), [12, 5]), {})
+    assert od.chunk_args(node, 1, [(12, 5)]) == ((Ref(0), [12, 5]), {})
+    assert check_node(node, ts) == 4    # n = 2, 4 on the 4; 2, 3 on the 6
+    # and the split back: the blocks are on the input side
+    node, ts = make(aten.view.default, r(24, 5), [4, 6, 5])
+    assert [(a.size, a.inputs, a.outputs) for a in dims_of(node, ts).axes] == [
+        (4, ((0, 0),), ((0, 0),)), (6, ((0, (0, 6)),), ((0, 1),)), (5, ((0, 1),), ((0, 2),))]
     check_node(node, ts)
     # [6, 4] -> [4, 6]: one group, axis of size gcd(6, 4) = 2
     node, ts = make(aten._unsafe_view.default, r(6, 4), [4, 6])
@@ -282,7 +304,7 @@ def test_view_merge_and_split():
     # a split dim with size-1 dims around it
     node, ts = make(aten.view.default, r(1, 12, 1), [3, 4])
     assert [(a.size, a.inputs, a.outputs) for a in dims_of(node, ts).axes] == [
-        (3, ((0, 1),), ((0, 0),))]
+        (3, ((0, 1),), ((0, 0),)), (4, ((0, (1, 4)),), ((0, 1),))]
     check_node(node, ts)
 
 
@@ -345,10 +367,20 @@ def test_layer_norm_and_backward():
     _, mean, rstd = aten.native_layer_norm.default(x, [8], w, b, 1e-5)
     node, ts = make(aten.native_layer_norm_backward.default, r(4, 6, 8), x, [8], mean, rstd,
                     w, b, [True, True, True])
-    # only the outermost: the CPU kernel ignores the strides of a narrowed mean/rstd
-    assert summary(dims_of(node, ts)) == [
-        ("row", 4, ((0, 0), (1, 0), (2, 0), (3, 0)), ((0, 0),), "sum")]
-    assert check_node(node, ts) == 2
+    # every leading dim; the CPU kernel ignores the strides of a narrowed mean/rstd,
+    # so a part narrowed along an inner dim is handed over contiguous (OpDims.contiguous)
+    od = dims_of(node, ts)
+    assert summary(od) == [
+        ("row", 4, ((0, 0), (1, 0), (2, 0), (3, 0)), ((0, 0),), "sum"),
+        ("row", 6, ((0, 1), (1, 1), (2, 1), (3, 1)), ((0, 1),), "sum")]
+    assert od.contiguous == {0, 1, 2, 3}
+    assert check_node(node, ts) == 4
+    # without the copy the kernel reads the wrong statistics: why the copy is there
+    full = aten.native_layer_norm_backward.default(*ts[:2], [8], *ts[2:], [True, True, True])
+    part = aten.native_layer_norm_backward.default(
+        ts[0].narrow(1, 3, 3), ts[1].narrow(1, 3, 3), [8], ts[2].narrow(1, 3, 3),
+        ts[3].narrow(1, 3, 3), *ts[4:], [True, True, True])
+    assert not torch.allclose(part[0], full[0].narrow(1, 3, 3))
 
 
 def test_batch_norm_has_no_batch_axis():
@@ -485,7 +517,9 @@ def test_losses_pooling_norms_attention():
     check_node(node, ts)
     node, ts = make(aten._scaled_dot_product_flash_attention_for_cpu.default, q, k, v,
                     is_causal=True)
-    assert [a.name for a in dims_of(node, ts).axes] == ["batch", "heads"]
+    # causal: each query part with its own mask rows (analysis/causal.py)
+    assert [a.name for a in dims_of(node, ts).axes] == ["batch", "heads", "query"]
+    check_node(node, ts)
 
 
 def test_advanced_indexing_splits_the_dims_no_index_touches():

@@ -60,7 +60,8 @@ MASKS = [None, (8, 6), (1, 6), (4, 1, 8, 6), (1, 4, 8, 6), (4, 4, 8, 6)]
 def test_forward_and_backward_in_parts(causal, mask, layout):
     q, k, v = (_t(4, 4, s, 8, layout=layout) for s in (8, 6, 6))
     kw = {} if mask is None else {"attn_mask": torch.randn(*mask, dtype=torch.float64)}
-    axes = {"batch": [2, 4], "heads": [2, 4]} | ({} if causal else {"query": [2, 4]})
+    # causal with a mask of its own: no query axis (the kernel refuses both anyway)
+    axes = {"batch": [2, 4], "heads": [2, 4]} | ({} if causal and mask else {"query": [2, 4]})
     node, ts = make(FWD, q, k, v, 0.0, causal, **kw)
     assert _run_parts(node, ts) == axes
     out, lse = FWD(q, k, v, 0.0, causal, **kw)
@@ -73,7 +74,7 @@ def test_forward_and_backward_in_parts(causal, mask, layout):
     od = dims_of(node, ts)
     # on the query axis the key/value gradients are sums over the parts
     assert [(a.outputs, a.combine) for a in od.axes if a.name == "query"] == (
-        [] if causal else [(((0, 2),), "sum")])
+        [] if causal and mask else [(((0, 2),), "sum")])
 
 
 def test_mask_rides_along_where_it_is_not_broadcast():
@@ -100,15 +101,31 @@ def test_grouped_query_heads_split_in_aligned_chunks():
     assert _run_parts(node, ts) == {"batch": [2, 4], "heads": [2], "query": [2, 4]}
 
 
-def test_causal_query_split_would_be_wrong():
-    """Why is_causal drops the query axis: the kernel aligns the causal diagonal
-    with row 0 of each part, so the second half of the queries loses keys."""
+def test_causal_query_split_needs_the_part_mask():
+    """Why a causal part runs with its own mask rows: the kernel aligns the causal
+    diagonal with row 0 of each part, so with is_causal kept the second half of
+    the queries would lose keys. With the mask (the rule's rewrite) every part
+    equals its rows of the whole, also for fewer queries than keys."""
     q, k, v = _t(2, 2, 8, 4), _t(2, 2, 8, 4), _t(2, 2, 8, 4)
     node, ts = make(FWD, q, k, v, 0.0, True)
-    assert [a.name for a in dims_of(node, ts).axes] == ["batch", "heads"]
+    od = dims_of(node, ts)
+    assert [a.name for a in od.axes] == ["batch", "heads", "query"]
     wrong = OpDims([Axis(8, ((0, 2),), ((0, 2), (1, 2)), None, "query")])
     with pytest.raises(AssertionError):
         check_axis(node, ts, _call(node, ts), wrong, 0, 2)
+    for n in (2, 4, 8):
+        check_axis(node, ts, _call(node, ts), od, 2, n)
+    q = _t(2, 2, 4, 4)      # 4 queries over 8 keys: top-left aligned, as the kernel does
+    node, ts = make(FWD, q, k, v, 0.0, True)
+    check_axis(node, ts, _call(node, ts), dims_of(node, ts), 2, 2)
+
+
+def test_causal_mask_op():
+    from magis_nb.analysis.causal import causal_mask
+    m = causal_mask(torch.zeros(3, 2), 2, 6)
+    assert m.shape == (3, 6)
+    assert (m == 0).tolist() == [[j <= 2 + i for j in range(6)] for i in range(3)]
+    assert causal_mask(torch.zeros(3, 2, device="meta"), 2, 6).shape == (3, 6)
 
 
 def _meta(*shape, dtype=torch.float16):
@@ -250,7 +267,7 @@ def _split_runs(variant, which):
     return runs
 
 
-EXPECTED = {"plain": {"batch", "heads", "query"}, "causal": {"batch", "heads"},
+EXPECTED = {"plain": {"batch", "heads", "query"}, "causal": {"batch", "heads", "query"},
             "mask": {"batch", "heads", "query"}, "gqa": {"batch", "heads", "query"}}
 
 

@@ -44,7 +44,7 @@ def state(case: zoo.ZooCase) -> list[torch.Tensor]:
 
 
 def test_names():
-    assert TINY == ["mlp", "resnet", "bert", "vit", "gpt", "btlm", "unet", "unetpp",
+    assert TINY == ["mlp", "resnet", "bert", "vit", "gpt", "btlm", "llama", "unet", "unetpp",
                     "unet-nobn", "unetpp-nobn", "unetpp-magis", "densenet", "randwire"]
     assert PAPER == ["resnet", "bert", "vit", "gpt", "btlm", "unet", "unetpp", "unet-nobn", "unetpp-nobn",
                      "unetpp-magis"]

@@ -24,7 +24,9 @@ import torch
 
 from ..ir.build import alias_arg
 from ..ir.graph import Graph, Node, Ref, Region, TensorInfo, iter_refs, map_refs
+from .causal import CAUSAL_MASK, CAUSAL_MASK_TARGET, CausalPart
 from .dgraph import DGraph
+from .dims_base import dim_index
 from .ftrans import FTrans, check, plan_outputs
 from .masks import PackedMask, pack_masks
 from .proto import External, ProtoBuilder, contiguous
@@ -212,7 +214,7 @@ def _part_shapes(node: Node, split: tuple[tuple[int, int], ...], n: int) -> list
         s = list(t.shape)
         for o, d in split:
             if o == i:
-                s[d] //= n
+                s[dim_index(d)] //= n
         shapes.append(tuple(s))
     return shapes
 
@@ -283,43 +285,106 @@ class _Expansion:
         """Pack the masks the parts read (Note [packed masks]), before part 0."""
         self.packed = pack_masks(self.b, self.g, self.f, self.dg, self.rid, self.key(0, 0))
 
-    def sliced(self, r: Ref, d: int, k: int, narrows: dict[tuple[Ref, int], Ref]) -> Ref:
+    def sliced(self, r: Ref, d, k: int, narrows: dict[tuple[Ref, int], Ref]) -> Ref:
         """Part k's slice along ``d`` of region input ``r`` (one per part and dim)."""
         if r in self.packed:
             return self.packed[r].part(self.b, k, self.n, d, self.key(1, k))
         if (r, d) not in narrows:
             t = self.g.tensor(r)
-            c = t.shape[d] // self.n
-            shape = list(t.shape)
-            shape[d] = c
-            src = External(r.node, r.out)
             node = self.g.nodes[r.node]
-            nid = self.b.op("aten.narrow.default", aten.narrow.default, [src, d, k * c, c], {},
-                            [_info(shape, t, alias=src)], self.key(1, k), f"{node.name}_s{k}",
-                            node.category, Region(self.rid, k, self.n, c))
-            narrows[(r, d)] = Ref(nid, 0)
+            src = External(r.node, r.out)
+            if isinstance(d, tuple):
+                narrows[(r, d)] = self._blocked_slice(src, t, d, k, node)
+            else:
+                c = t.shape[d] // self.n
+                shape = list(t.shape)
+                shape[d] = c
+                nid = self.b.op("aten.narrow.default", aten.narrow.default, [src, d, k * c, c], {},
+                                [_info(shape, t, alias=src)], self.key(1, k), f"{node.name}_s{k}",
+                                node.category, Region(self.rid, k, self.n, c))
+                narrows[(r, d)] = Ref(nid, 0)
         return narrows[(r, d)]
+
+    def dense(self, pr: Ref, d, k: int, narrows: dict) -> Ref:
+        """``pr``, a part read by an op that needs it contiguous (`OpDims.contiguous`):
+        a copy when it was narrowed along an inner dim of a region input (a view
+        into the whole), else itself. Parts made inside the region are fresh
+        tensors, and a blocked slice is a copy already."""
+        if isinstance(d, tuple) or (pr, "dense") in narrows:
+            return narrows.get((pr, "dense"), pr)
+        node = self.b.nodes[pr.node]
+        if node.target != "aten.narrow.default" or not isinstance(node.region, Region) \
+                or not node.region.chunk:
+            return pr
+        src = self.g.tensor(Ref(node.args[0].node, node.args[0].out)) \
+            if isinstance(node.args[0], External) else None
+        if src is None or all(s == 1 for s in src.shape[:node.args[1]]):
+            narrows[(pr, "dense")] = pr     # a narrow of the outermost dim is contiguous
+            return pr
+        t = node.outputs[0]
+        cp = self.b.op("aten.clone.default", aten.clone.default, [pr],
+                       {"memory_format": torch.contiguous_format},
+                       [_info(t.shape, t)], self.key(1, k), f"{node.name}_d", node.category,
+                       Region(self.rid, k, self.n, 0))
+        narrows[(pr, "dense")] = Ref(cp, 0)
+        return Ref(cp, 0)
+
+    def _blocked(self, src: Ref, t: TensorInfo, d: tuple, k: int, name: str, cat: str):
+        """Part k's chunk of every block of dim ``d`` = (dim, block) of ``src``, as a
+        view [.., L/block, block/n, ..] (Note [blocked dims] in dims.py)."""
+        dim, blk = d
+        shape = list(t.shape)
+        c = blk // self.n
+        un = shape[:dim] + [shape[dim] // blk, blk] + shape[dim + 1:]
+        u = self.b.op("aten.view.default", aten.view.default, [src, un], {},
+                      [_info(un, t, alias=src)], self.key(1, k), f"{name}_b{k}", cat,
+                      Region(self.rid, k, self.n, 0))
+        part = list(un)
+        part[dim + 1] = c
+        nid = self.b.op("aten.narrow.default", aten.narrow.default, [Ref(u, 0), dim + 1, k * c, c], {},
+                        [_info(part, t, alias=Ref(u, 0))], self.key(1, k), f"{name}_s{k}", cat,
+                        Region(self.rid, k, self.n, c))
+        return Ref(nid, 0), part
+
+    def _blocked_slice(self, src: Ref, t: TensorInfo, d: tuple, k: int, node: Node) -> Ref:
+        """A region input's part along a blocked dim: the chunks copied together
+        (they are not one strided view unless L == block)."""
+        nm, cat = node.name, node.category
+        view, part = self._blocked(src, t, d, k, nm, cat)
+        flat = list(t.shape)
+        flat[d[0]] //= self.n
+        reg = Region(self.rid, k, self.n, 0)
+        cp = self.b.op("aten.clone.default", aten.clone.default, [view], {"memory_format": torch.contiguous_format},
+                       [_info(part, t)], self.key(1, k), f"{nm}_bc{k}", cat, reg)
+        fl = self.b.op("aten.view.default", aten.view.default, [Ref(cp, 0), flat], {},
+                       [_info(flat, t, alias=Ref(cp, 0))], self.key(1, k), f"{nm}_bf{k}", cat, reg)
+        return Ref(fl, 0)
 
     def split_op(self, v: int, k: int, part: dict[Ref, Ref],
                  narrows: dict[tuple[Ref, int], Ref]) -> None:
         """Op ``v`` on part k's tensors; its outputs go into ``part``."""
         node = self.g.nodes[v]
-        ax = self.dg.axis(v, self.f.comp)
+        ax = self.dg.axis(v, self.f.comp, self.f.ops)
         cut = dict(ax.inputs)
         shapes = _part_shapes(node, ax.outputs, self.n)
-        a_idx = self.dg.components[self.f.comp].axis_of[v]
+        a_idx = self.dg.axis_index(v, self.f.comp, self.f.ops)
         args, kwargs = self.dg.dims[v].chunk_args(node, a_idx, shapes)
+
+        need = self.dg.dims[v].contiguous
 
         def sub(r: Ref, idx: int) -> Ref:
             if r.node in self.f.ops:
-                return part[r]
+                got = part[r]
+                return self.dense(got, cut[idx], k, narrows) if idx in need and idx in cut else got
             if idx in cut:
-                return self.sliced(r, cut[idx], k, narrows)
+                got = self.sliced(r, cut[idx], k, narrows)
+                return self.dense(got, cut[idx], k, narrows) if idx in need else got
             return External(r.node, r.out)
 
         counter = [0]   # map_refs numbers the refs of args and kwargs as one sequence
         args = map_refs(tuple(args), sub, counter)
         kwargs = map_refs(dict(kwargs), sub, counter)
+        args, kwargs = self.causal_mask(node, args, kwargs, k)
         outs = []
         for i, t in enumerate(node.outputs):
             if t is None:
@@ -334,6 +399,26 @@ class _Expansion:
         for i in range(len(node.outputs)):
             part[Ref(v, i)] = Ref(nid, i)
 
+    def causal_mask(self, node: Node, args, kwargs, k: int):
+        """A rule's `CausalPart` placeholder becomes part k's own causal mask op
+        (analysis/causal.py), made just before the op reads it."""
+        where = [(i, a) for i, a in enumerate(args) if isinstance(a, CausalPart)] \
+            + [(n, a) for n, a in kwargs.items() if isinstance(a, CausalPart)]
+        if not where:
+            return args, kwargs
+        (at, cp), = where
+        q = list(iter_refs((args, kwargs)))[cp.q]
+        like = self.g.tensor(list(iter_refs((node.args, node.kwargs)))[cp.q])
+        mid = self.b.op(CAUSAL_MASK_TARGET, CAUSAL_MASK, [q, k * cp.rows, cp.keys], {},
+                        [_info((cp.rows, cp.keys), like)], self.key(1, k),
+                        f"{node.name}_mask{k}", node.category,
+                        Region(self.rid, k, self.n, cp.rows))
+        if isinstance(at, int):
+            args = args[:at] + (Ref(mid, 0),) + args[at + 1:]
+        else:
+            kwargs = {**kwargs, at: Ref(mid, 0)}
+        return args, kwargs
+
     def merge(self, r: Ref, k: int, pr: Ref) -> None:
         """Write part k's ``pr`` of output ``r`` into the full result."""
         self.writes[r].append(self._write(r, k, pr))
@@ -345,6 +430,13 @@ class _Expansion:
         nm, cat = self.g.nodes[r.node].name, self.g.nodes[r.node].category
         reg = Region(self.rid, k, self.n, 0)
         a = Ref(self.dest[r], 0)
+        if how == "cat" and isinstance(dim, tuple):
+            # each block's chunk: the part seen as [.., L/block, block/n, ..]
+            sl, shape = self._blocked(a, t, dim, k, f"{nm}_w", cat)
+            pv = b.op("aten.view.default", aten.view.default, [pr, shape], {},
+                      [_info(shape, t, alias=pr)], self.key(1, k), f"{nm}_pv{k}", cat, reg)
+            return b.op("aten.copy_.default", aten.copy_.default, [sl, Ref(pv, 0)], {},
+                        [_info(shape, t, alias=sl)], self.key(1, k), f"{nm}_c{k}", cat, reg)
         if how == "cat":
             c = t.shape[dim] // self.n
             shape = list(t.shape)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from math import gcd
 
 from ..ir.graph import Graph, iter_refs
-from .dims import OpDims, op_dims
+from .dims import Axis, OpDims, op_dims
 
 
 @dataclass
@@ -21,21 +21,26 @@ class Component:
     id: int
     axis_of: dict[int, int] = field(default_factory=dict)  # op id -> its one axis here
     ambiguous: set[int] = field(default_factory=set)       # ops with several axes here
+    choices: dict[int, list[int]] = field(default_factory=dict)  # ambiguous op -> its axes here
     size: int = 0                                          # gcd of the axis sizes
     name: str = ""
     inputs: list[tuple[str, int]] = field(default_factory=list)  # graph-input dims linked
 
     @property
     def ops(self) -> list[int]:
-        return sorted(self.axis_of)
+        """Every op with an axis here; an ambiguous one gets its axis per region
+        (Note [ambiguous ops])."""
+        return sorted(set(self.axis_of) | set(self.choices))
 
 
 class DGraph:
     def __init__(self, graph: Graph):
         self.graph = graph
         self.dims: dict[int, OpDims | None] = {}
+        self._resolved: dict[tuple, dict[int, int] | str] = {}
         for n in graph.ops:
             self.dims[n.id] = _rule(graph, n)
+        _carry_blocks(graph, self.dims)
         parent: dict[tuple, tuple] = {}
 
         def find(x):
@@ -81,7 +86,8 @@ class DGraph:
             _, v, a = x
             if v in comp.axis_of or v in comp.ambiguous:
                 comp.ambiguous.add(v)
-                comp.axis_of.pop(v, None)
+                first = comp.axis_of.pop(v, None)
+                comp.choices.setdefault(v, [] if first is None else [first]).append(a)
             else:
                 comp.axis_of[v] = a
         for root, comp in groups.items():
@@ -102,8 +108,87 @@ class DGraph:
             c.name = (data or weights or [f"len{c.size}"])[0]
             self.components.append(c)
 
-    def axis(self, v: int, comp: int):
-        return self.dims[v].axes[self.components[comp].axis_of[v]]
+    def axis(self, v: int, comp: int, ops=None):
+        """Op ``v``'s axis in component ``comp``; for an ambiguous op, the one it
+        takes in region ``ops`` (Note [ambiguous ops])."""
+        c = self.components[comp]
+        if v in c.axis_of:
+            return self.dims[v].axes[c.axis_of[v]]
+        if ops is None:
+            raise KeyError(f"op {v} has several axes in dimension {comp}: name the region")
+        got = self.region_axes(ops, comp)
+        if isinstance(got, str):
+            raise ValueError(got)
+        return self.dims[v].axes[got[v]]
+
+    def axis_index(self, v: int, comp: int, ops) -> int:
+        c = self.components[comp]
+        return c.axis_of[v] if v in c.axis_of else self.region_axes(ops, comp)[v]
+
+    def region_axes(self, ops, comp: int) -> dict[int, int] | str:
+        """Note [ambiguous ops]: an op can have two axes in one component -- the
+        query and the key positions of attention scores both come from the
+        sequence dim of one tensor (``q @ k.T``, the mask, ``probs @ v`` and their
+        backward). Splitting such an op is still exact along one of them when the
+        region fixes which: its inputs made inside the region arrive split along
+        some dim, its outputs read inside the region leave split along some dim,
+        and exactly one of its axes slices and produces those. (With the
+        projections of k and v outside the region, that is the query axis: k and
+        v are read whole.) The choice is made by propagation to a fixed point (an
+        op nothing pins down takes its first axis); an op left with no
+        consistent axis makes the region invalid (the reason is returned as a
+        string). `ftree` prunes a candidate region until its choices agree."""
+        key = (frozenset(ops), comp)
+        hit = self._resolved.get(key)
+        if hit is not None:
+            return hit
+        c = self.components[comp]
+        chosen = {v: c.axis_of[v] for v in key[0] if v in c.axis_of}
+        left = {v: list(c.choices[v]) for v in key[0] if v in c.choices}
+        g = self.graph
+        res: dict[int, int] | str
+        while left:
+            progress = False
+            for v in sorted(left):
+                ok = [a for a in left[v] if self._fits(v, a, key[0], chosen)]
+                left[v] = ok
+                if len(ok) == 1:
+                    chosen[v] = ok[0]
+                    del left[v]
+                    progress = True
+                elif not ok:
+                    res = f"{g.nodes[v].name} has no axis in dimension {comp} that fits the region"
+                    self._resolved[key] = res
+                    return res
+            if not progress:    # nothing pins it down: its first axis (check() verifies)
+                v = min(left)
+                chosen[v] = left.pop(v)[0]
+        self._resolved[key] = chosen
+        return chosen
+
+    def _fits(self, v: int, a: int, ops: frozenset, chosen: dict[int, int]) -> bool:
+        """Axis ``a`` of op ``v`` agrees with the chosen axes of its neighbours in ``ops``."""
+        g = self.graph
+        ax = self.dims[v].axes[a]
+        sliced = dict(ax.inputs)
+        for k, r in enumerate(iter_refs((g.nodes[v].args, g.nodes[v].kwargs))):
+            if r.node in ops and r.node in chosen:
+                pax = self.dims[r.node].axes[chosen[r.node]]
+                dims = [d for o, d in pax.outputs if o == r.out]
+                if not dims or sliced.get(k) != dims[0]:
+                    return False
+        outs = {}
+        for o, d in ax.outputs:
+            outs.setdefault(o, d)
+        for w in g.succs(v):
+            if w not in ops or w not in chosen:
+                continue
+            wax = self.dims[w].axes[chosen[w]]
+            wsl = dict(wax.inputs)
+            for k, r in enumerate(iter_refs((g.nodes[w].args, g.nodes[w].kwargs))):
+                if r.node == v and wsl.get(k) != outs.get(r.out):
+                    return False
+        return True
 
     def summary(self) -> list[dict]:
         return [{"id": c.id, "name": c.name, "ops": len(c.axis_of), "size": c.size}
@@ -120,3 +205,43 @@ def _rule(graph: Graph, n) -> OpDims | None:
         return op_dims(n, ins, outs)
     except Exception:  # noqa: BLE001
         return None
+
+
+def _carry_blocks(graph: Graph, dims: dict[int, OpDims | None]) -> None:
+    """Note [blocked dims] in dims.py: where an op reads a dim its producer splits
+    in blocks, and one of its axes treats that dim's positions alike (every dim
+    it lists is as long as the axis), the op gets the same axis with every
+    listed dim in those blocks (`OpDims.origin` names the axis it repeats).
+    In topological order, so blocks carry on down a chain of such ops.
+    Attention is left out: a causal part's mask rows follow its query offset."""
+    pos = graph.topo_position()
+    for v in sorted(dims, key=pos.__getitem__):
+        od = dims[v]
+        node = graph.nodes[v]
+        if od is None or not od.axes or "scaled_dot_product" in node.target:
+            continue
+        refs = list(iter_refs((node.args, node.kwargs)))
+        shapes = {("in", k): graph.tensor(r).shape for k, r in enumerate(refs)}
+        shapes.update({("out", o): t.shape for o, t in enumerate(node.outputs) if t is not None})
+        have = {x for a in od.axes for x in a.inputs}
+        for k, r in enumerate(refs):
+            pd = dims.get(r.node)
+            blocks = sorted({d for a in (pd.axes if pd else ()) for o, d in a.outputs
+                             if o == r.out and isinstance(d, tuple)})
+            for d, blk in blocks:
+                if (k, (d, blk)) in have:
+                    continue
+                for ai, a in enumerate(list(od.axes)):
+                    if ai in od.origin or (k, d) not in a.inputs:
+                        continue
+                    listed = [("in", j, dj) for j, dj in a.inputs] + [("out", o, do) for o, do in a.outputs]
+                    if not all(isinstance(x, int) and shapes.get((w, t), ())[x:x + 1] == (a.size,)
+                               for w, t, x in listed):
+                        continue
+                    new = Axis(blk, tuple((j, (dj, blk)) for j, dj in a.inputs),
+                               tuple((o, (do, blk)) for o, do in a.outputs), a.combine, a.name)
+                    od.origin[len(od.axes)] = ai
+                    od.axes.append(new)
+                    have |= set(new.inputs)
+                    break
+

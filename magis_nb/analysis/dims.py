@@ -32,6 +32,19 @@ native_group_norm(_backward) needs a contiguous input (batch only). The fused
 scaled_dot_product_attention kernels (dims_attention.py) split along batch and
 heads, and on CPU along the query sequence when not causal.
 
+Note [blocked dims]: a view that merges dims ([B,S,H] -> [B*S,H]) leaves the
+inner one (S) inside the merged dim: its chunk is not one contiguous run of
+the merged dim but B of them, one per outer index. A listed dim may be
+(d, block): dim d of length L seen as [L/block, block], each part taking a
+chunk of block/n of every block (``x.unflatten(d, (L//block, block))
+.narrow(d + 1, k*block/n, block/n).flatten(d, d + 1)``, a copy unless
+L == block). The view rule lists these for the inner dims of a merge or a
+split; the D-Graph (dgraph.py) carries them on through every op whose axis
+there treats positions alike (every listed dim as long as the axis): a
+matmul's rows, an elementwise op, a norm's rows, a loss's positions. So the
+sequence of a [B,S,H] activation runs on through the linears as a blocked
+dim of [B*S,H]. The axis size is the block.
+
 Size-1 dims are never axes (they cannot be split), and broadcast dims (an input
 dim of size 1 against a larger output dim) are not indexed. Ops without a rule,
 RNG ops (dropout) and ops with no tensor output are barriers: ``op_dims`` is None.
@@ -40,7 +53,7 @@ from __future__ import annotations
 
 from ..ir.graph import Node
 from . import dims_index, dims_nn, dims_ops, dims_shape, dims_attention  # noqa: F401  (last: overrides dims_nn)
-from .dims_base import RULES, Axis, Bound, OpDims
+from .dims_base import RULES, Axis, Bound, OpDims, dim_block, dim_index
 
 __all__ = ["Axis", "OpDims", "op_dims", "covered_targets"]
 
@@ -79,6 +92,8 @@ def consistent(res: OpDims, ins, outs) -> bool:
                 return False
             for t, d in pairs:
                 s = shapes[t] if 0 <= t < len(shapes) else None
-                if s is None or not 0 <= d < len(s) or s[d] % a.size:
+                i = dim_index(d)
+                if s is None or not 0 <= i < len(s) or s[i] % dim_block(d, s[i]) \
+                        or dim_block(d, s[i]) % a.size:
                     return False
     return True

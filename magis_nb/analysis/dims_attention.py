@@ -11,11 +11,12 @@ aligned from the right), output [B,H,L,E] and logsumexp [B,H,L].
   that pairing when n divides Hkv, so the axis has size Hkv and cuts the query
   dims (length H) and the key/value dims (length Hkv) into n chunks each (Note
   [axis sizes] in dims.py).
-- query: each query row is its own softmax, so splitting L is exact -- unless
-  is_causal: the kernel puts the causal diagonal at row 0 of whatever it is
-  given, so a later chunk of queries would see the wrong keys. In the backward
-  grad_key/grad_value are sums over query rows ("sum"). A mask row follows its
-  query (sliced with it); a mask broadcast over L is passed whole.
+- query: each query row is its own softmax, so splitting L is exact. With
+  is_causal the kernel puts the causal diagonal at row 0 of whatever it is
+  given, so each part runs without is_causal and with its own rows of the
+  causal mask instead (analysis/causal.py). In the backward grad_key/grad_value
+  are sums over query rows ("sum"). A mask row follows its query (sliced with
+  it); a mask broadcast over L is passed whole.
 - the key sequence S is a softmax reduction: partial results would need a
   logsumexp rescale, not a plain combine. Not an axis.
 
@@ -35,7 +36,8 @@ state is read outside the region (by its backward) stays out of a split region.
 """
 from __future__ import annotations
 
-from .dims_base import OpDims, ax, axes_of, rule
+from .causal import CausalPart
+from .dims_base import Bound, OpDims, ax, axes_of, rule
 
 
 def _mask_dim(ins, m, d, size):
@@ -79,15 +81,35 @@ def _axes(ins, q_side, kv_side, mask, q_outs, kv_outs, mask_out=None, *,
 
 # -- CPU ------------------------------------------------------------------------
 
+def _causal_parts(b, ins, axes):
+    """On the query axis of a causal op, each part takes its rows of the causal
+    mask (analysis/causal.py); a causal op with a mask of its own gets no
+    query axis (the kernels refuse both together anyway)."""
+    causal = bool(b["is_causal"])
+    if causal and b.t("attn_mask") is not None:
+        return OpDims([a for a in axes if a.name != "query"])
+    if not causal:
+        return OpDims(axes)
+    q = b.t("query")
+    L, S = ins[q][2], ins[b.t("key")][2]
+
+    def rw(node, axis, out_shapes):
+        if axes[axis].name != "query":
+            return tuple(node.args), dict(node.kwargs)
+        n = L // (out_shapes[0][2] if out_shapes[0] else L)
+        return Bound(node).replace(is_causal=False, attn_mask=CausalPart(L // n, S, q))
+    return OpDims(axes, rw)
+
+
 @rule("aten._scaled_dot_product_flash_attention_for_cpu")
 def _sdpa_cpu(node, b, ins, outs):
     """(output [B,H,L,E], logsumexp [B,H,L]): both on the query side; nothing to
     merge on any axis."""
     if b["dropout_p"]:
         return None
-    return OpDims(_axes(ins, [b.t("query")], [b.t("key"), b.t("value")],
-                        b.t("attn_mask"), [0, 1], [], query=not b["is_causal"], gqa=True,
-                        query_combine=None))
+    return _causal_parts(b, ins, _axes(ins, [b.t("query")], [b.t("key"), b.t("value")],
+                                       b.t("attn_mask"), [0, 1], [], query=True, gqa=True,
+                                       query_combine=None))
 
 
 @rule("aten._scaled_dot_product_flash_attention_for_cpu_backward")
@@ -97,8 +119,8 @@ def _sdpa_cpu_backward(node, b, ins, outs):
     if b["dropout_p"]:
         return None
     q_side = [b.t(n) for n in ("query", "grad_out", "out", "logsumexp")]
-    return OpDims(_axes(ins, q_side, [b.t("key"), b.t("value")], b.t("attn_mask"),
-                        [0], [1, 2], query=not b["is_causal"], gqa=True, query_combine="sum"))
+    return _causal_parts(b, ins, _axes(ins, q_side, [b.t("key"), b.t("value")], b.t("attn_mask"),
+                                       [0], [1, 2], query=True, gqa=True, query_combine="sum"))
 
 
 # -- CUDA: batch and heads only (see the module docstring) -------------------------

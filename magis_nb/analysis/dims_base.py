@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from ..ir.graph import Node, Ref
@@ -21,6 +21,21 @@ class Axis:
     name: str = ""
 
 
+# A listed dim is an int d, or (d, block) for a dim of length L seen as
+# [L / block, block] and split along the inner block: Note [blocked dims].
+Dim = "int | tuple[int, int]"
+
+
+def dim_index(d) -> int:
+    """The tensor dim of a listed dim."""
+    return d[0] if isinstance(d, tuple) else d
+
+
+def dim_block(d, length: int) -> int:
+    """The block a listed dim is split in (its whole length for a plain dim)."""
+    return d[1] if isinstance(d, tuple) else length
+
+
 # (node, axis index, part output shapes) -> (args, kwargs) of one part
 Rewrite = Callable[[Node, int, list], tuple[tuple, dict]]
 
@@ -29,6 +44,13 @@ Rewrite = Callable[[Node, int, list], tuple[tuple, dict]]
 class OpDims:
     axes: list[Axis]
     rewrite: Rewrite | None = None
+    # axes the D-Graph added with blocked dims (Note [blocked dims]) -> the plain
+    # axis each repeats: a part's arguments are the same (its shapes are)
+    origin: dict[int, int] = field(default_factory=dict)
+    # tensor inputs the kernel needs contiguous: a part narrowed along an inner
+    # dim is copied first (a view cannot merge it; norms read strides wrong or
+    # copy it themselves, which the memory model would not see)
+    contiguous: frozenset = frozenset()
 
     def chunk_args(self, node: Node, axis: int, out_shapes: list) -> tuple[tuple, dict]:
         """The op's (args, kwargs) for one part when split along ``axis``.
@@ -40,7 +62,7 @@ class OpDims:
         """
         if self.rewrite is None:
             return tuple(node.args), dict(node.kwargs)
-        return self.rewrite(node, axis, out_shapes)
+        return self.rewrite(node, self.origin.get(axis, axis), out_shapes)
 
 
 class Bound:
@@ -113,6 +135,7 @@ def axes_of(*items) -> list[Axis]:
 def parts(node: Node, axis: Axis, out_shapes: list) -> int:
     """n, read off a part output shape of a listed output dim."""
     for i, d in axis.outputs:
+        d = dim_index(d)
         full = node.outputs[i].shape if node.outputs[i] is not None else None
         part = out_shapes[i] if i < len(out_shapes) else None
         if full is not None and part is not None and part[d]:

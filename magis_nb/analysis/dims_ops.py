@@ -115,24 +115,24 @@ def _layer_norm(node, b, ins, outs):
     lead = len(ins[x]) - len(b["normalized_shape"])
     oix = [o for o in range(3) if outs[o] is not None]
     return OpDims(axes_of(*(ax(ins[x][d], [(x, d)], [(o, d) for o in oix], name="row")
-                            for d in range(lead))))
+                            for d in range(lead))), contiguous=frozenset({x}))
 
 
 @rule("aten.native_layer_norm_backward")
 def _layer_norm_backward(node, b, ins, outs):
     """(grad_input, grad_weight, grad_bias): leading dims; weight grads "sum".
 
-    Only the outermost non-1 leading dim: the CPU kernel reads mean/rstd as flat
-    contiguous arrays (ignoring strides), and a narrowed inner dim is not contiguous.
+    The CPU kernel reads mean/rstd as flat contiguous arrays (ignoring their
+    strides): a part narrowed along an inner leading dim (the sequence of
+    [B,S,H]) is copied contiguous first (`OpDims.contiguous`).
     """
     x = b.t("input")
     lead = len(ins[x]) - len(b["normalized_shape"])
     tens = [b.t(n) for n in ("grad_out", "input", "mean", "rstd")]
     gi = outs[0] is not None
-    outer = next((d for d in range(lead) if ins[x][d] > 1), None)
     return OpDims(axes_of(*(
         ax(ins[x][d], [(t, d) for t in tens], [(0, d)] if gi else [], "sum", "row")
-        for d in range(lead) if d == outer)))
+        for d in range(lead))), contiguous=frozenset(t for t in tens if t is not None))
 
 
 def _channel_axis(ins, b, x_names, vec_names, outs_ch):

@@ -1,6 +1,8 @@
 """Dimension rules for elementwise ops, reductions, softmax, views and indexing ops."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .dims_base import OpDims, ax, axes_of, broadcast_axes, gcd, norm_dim, rule
@@ -167,6 +169,19 @@ def _view_axes(a, b):
         oj = next((j for j in jj if b[j] > 1), None)
         if oi is not None and oj is not None:
             res.append(ax(gcd(a[oi], b[oj]), [(0, oi)], [(0, oj)]))
+        # Note [blocked dims] in dims.py: in a merge the inner dims live on in the
+        # merged one as blocks ([B,S,H] -> [B*S,H]: S is (0, S) of the output);
+        # in a split, likewise on the input side
+        if sum(b[j] > 1 for j in jj) == 1 and oi is not None:
+            for i in ii:
+                if i > oi and a[i] > 1:
+                    blk = math.prod(a[i:ii[-1] + 1])
+                    res.append(ax(a[i], [(0, i)], [(0, (oj, blk))]))
+        elif sum(a[i] > 1 for i in ii) == 1 and oj is not None:
+            for j in jj:
+                if j > oj and b[j] > 1:
+                    blk = math.prod(b[j:jj[-1] + 1])
+                    res.append(ax(b[j], [(0, (oi, blk))], [(0, j)]))
     return axes_of(*res)
 
 
@@ -181,7 +196,7 @@ def _size_rewrite(argname):
 def _view(node, b, ins, outs):
     if b.t("self") != 0 or outs[0] is None:
         return None
-    return OpDims(_view_axes(ins[0], outs[0]), _size_rewrite("size"))
+    return OpDims(_view_axes(ins[0], outs[0]), _size_rewrite("size"), contiguous=frozenset({0}))
 
 
 @rule("aten.flatten.using_ints", "aten.squeeze.default", "aten.squeeze.dim",

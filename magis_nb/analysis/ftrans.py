@@ -3,8 +3,10 @@
 Validity, checked explicitly:
   (1) G[S] is weakly connected;
   (2) S is convex: no path leaves S and comes back;
-  (3) no redundant computation: every op of S has exactly one axis in D, and every
-      tensor flowing inside S is split along that axis on both ends.
+  (3) no redundant computation: every op of S has exactly one axis in D (an op
+      with several takes the one its neighbours in S agree on, Note [ambiguous
+      ops] in dgraph.py), and every tensor flowing inside S is split along that
+      axis on both ends.
 Plus what execution needs: every tensor leaving S either carries the axis (parts
 are concatenated) or is a reduction over it with a known combine (sum/max/min/mean),
 and n divides every axis length in S.
@@ -43,9 +45,12 @@ def region_outputs(g: Graph, ops: frozenset[int]) -> list[Ref]:
 
 
 def max_parts(dg: DGraph, ops, comp: int) -> int:
+    ops = frozenset(ops)
+    if isinstance(dg.region_axes(ops, comp), str):
+        return 0
     L = 0
     for v in ops:
-        L = gcd(L, dg.axis(v, comp).size)
+        L = gcd(L, dg.axis(v, comp, ops).size)
     return L
 
 
@@ -97,8 +102,11 @@ def check(dg: DGraph, ops, comp: int, n: int = 2) -> str | None:
     for v in ops:
         if g.nodes[v].kind != "op":
             return f"{g.nodes[v].name} is not an op"
-        if v not in c.axis_of:
-            return f"{g.nodes[v].name} has no single axis in dimension {comp}"
+        if v not in c.axis_of and v not in c.choices:
+            return f"{g.nodes[v].name} has no axis in dimension {comp}"
+    why = dg.region_axes(ops, comp)
+    if isinstance(why, str):
+        return why
     if n > 1 and max_parts(dg, ops, comp) % n:
         return f"{n} does not divide the axis length {max_parts(dg, ops, comp)}"
     if len(weak_pieces(g, ops)) != 1:
@@ -106,18 +114,18 @@ def check(dg: DGraph, ops, comp: int, n: int = 2) -> str | None:
     if reentered(g, ops):
         return "not convex: a path leaves the region and comes back"
     for v in ops:
-        ax = dg.axis(v, comp)
+        ax = dg.axis(v, comp, ops)
         sliced = {k: d for k, d in ax.inputs}
         for k, r in enumerate(iter_refs((g.nodes[v].args, g.nodes[v].kwargs))):
             if r.node not in ops:
                 continue
-            pax = dg.axis(r.node, comp)
+            pax = dg.axis(r.node, comp, ops)
             dims = [d for (o, d) in pax.outputs if o == r.out]
             if not dims or sliced.get(k) != dims[0]:
                 return (f"{g.nodes[v].name} would need all of {g.nodes[r.node].name}'s "
                         "output (redundant computation)")
     for r in region_outputs(g, ops):
-        ax = dg.axis(r.node, comp)
+        ax = dg.axis(r.node, comp, ops)
         if not any(o == r.out for o, _ in ax.outputs) and ax.combine is None:
             return f"output of {g.nodes[r.node].name} cannot be merged across parts"
     return None
@@ -127,7 +135,7 @@ def plan_outputs(dg: DGraph, f: FTrans) -> dict[Ref, tuple[str, int]]:
     """How each region output is assembled: ("cat", dim) or (combine, -1)."""
     out = {}
     for r in region_outputs(dg.graph, f.ops):
-        ax = dg.axis(r.node, f.comp)
+        ax = dg.axis(r.node, f.comp, f.ops)
         dims = [d for o, d in ax.outputs if o == r.out]
         out[r] = ("cat", dims[0]) if dims else (ax.combine, -1)
     return out

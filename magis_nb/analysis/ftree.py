@@ -98,10 +98,133 @@ def _convex_core(g: Graph, ops: set[int]) -> set[int]:
     return ops - reentered(g, ops)
 
 
-def _region(g: Graph, dominated: set[int], hot_by_op: dict[int, int]) -> set[int]:
-    """The candidate region of a dominator: its dominated set made convex, and of
-    the weakly connected pieces that leaves, the hottest (paper §4.3 requires both)."""
-    core = _convex_core(g, dominated)
+def _closure(g: Graph, seeds: set[int], ops: set[int], up: bool) -> set[int]:
+    """``seeds`` and their ancestors (``up``) or descendants within ``ops``."""
+    out, stack = set(seeds), list(seeds)
+    while stack:
+        v = stack.pop()
+        for w in (g.preds(v) if up else g.succs(v)):
+            if w in ops and w not in out:
+                out.add(w)
+                stack.append(w)
+    return out
+
+
+def _agreeing(dg: DGraph, comp: int, ops: set[int]) -> set[int]:
+    """``ops`` pruned until every op's axis agrees with its producers' in ``ops``.
+
+    Needed where the component has ambiguous ops (Note [ambiguous ops] in
+    dgraph.py): a dominated set that holds a block's attention also holds the
+    projections of q, k and v, and the scores op cannot be split along the
+    query with k split too. Walking in topological order, each op takes the
+    axis that costs the fewest ops to keep: the producers it would read whole
+    leave the region with all their ancestors in it (so that no path leaves
+    and comes back: the projections of k and v are computed whole before the
+    region, and the region starts after them), unless dropping the op itself
+    and its descendants is cheaper."""
+    c = dg.components[comp]
+    if not any(v in c.choices for v in ops):
+        return ops
+    g, ops, chosen = dg.graph, set(ops), {}
+    pos = g.topo_position()
+    for v in sorted(ops, key=pos.__getitem__):
+        if v not in ops:
+            continue
+        refs = list(iter_refs((g.nodes[v].args, g.nodes[v].kwargs)))
+        best = None
+        for a in ([c.axis_of[v]] if v in c.axis_of else c.choices[v]):
+            sliced = dict(dg.dims[v].axes[a].inputs)
+            bad = set()
+            for k, r in enumerate(refs):
+                if r.node in ops and r.node in chosen:
+                    dims = [d for o, d in dg.dims[r.node].axes[chosen[r.node]].outputs if o == r.out]
+                    if not dims or sliced.get(k) != dims[0]:
+                        bad.add(r.node)
+            cost = _closure(g, bad, ops, up=True) if bad else set()
+            if best is None or len(cost) < len(best[1]):
+                best = (a, cost)
+        if best[1]:
+            below = _closure(g, {v}, ops, up=False)
+            if len(below) <= len(best[1]):
+                ops -= below
+                continue
+        ops -= best[1]
+        chosen[v] = best[0]
+    return ops
+
+
+def _conflicted(dg: DGraph, comp: int, nodes) -> bool:
+    """The component has ambiguous ops, or an op that reads all of a tensor
+    another op of it splits (attention reads k and v whole): dominated sets
+    then straddle such edges, and `_segments` offers regions between them."""
+    c, g = dg.components[comp], dg.graph
+    if c.choices:
+        return True
+    inside = set(nodes)
+    for v in nodes:
+        sliced = dict(dg.axis(v, comp).inputs)
+        for k, r in enumerate(iter_refs((g.nodes[v].args, g.nodes[v].kwargs))):
+            if r.node in inside and r.node in c.axis_of:
+                dims = [d for o, d in dg.axis(r.node, comp).outputs if o == r.out]
+                if dims and sliced.get(k) != dims[0]:
+                    return True
+    return False
+
+
+def _segments(dg: DGraph, comp: int, nodes) -> list[set[int]]:
+    """The component's ops cut into convex regions whose axes agree.
+
+    In topological order each op joins the earliest segment that is not before
+    any segment of its ancestors (so no path leaves a segment and comes back)
+    and where its axis agrees with the producers it reads there; else it opens
+    a new one. For attention along the sequence this cuts each block between
+    the projections of k and v (read whole by attention) and the attention, in
+    the forward and in the backward: the regions the dominator tree cannot
+    offer (no op dominates a block's attention without its k and v)."""
+    c, g = dg.components[comp], dg.graph
+    inside = set(nodes)
+    pos = g.topo_position()
+    depth: dict[int, int] = {}          # node -> the latest segment among it and its ancestors
+    seg_of: dict[int, int] = {}
+    chosen: dict[int, int] = {}
+    segs: list[set[int]] = []
+    for v in sorted(range(len(g.nodes)), key=pos.__getitem__):
+        lo = max((depth[p] for p in g.preds(v)), default=0)
+        if v not in inside:
+            depth[v] = lo
+            continue
+        refs = list(iter_refs((g.nodes[v].args, g.nodes[v].kwargs)))
+        axes = [c.axis_of[v]] if v in c.axis_of else c.choices[v]
+        placed = None
+        for s in range(lo, len(segs)):
+            for a in axes:
+                sliced = dict(dg.dims[v].axes[a].inputs)
+                if all(seg_of.get(r.node) != s or sliced.get(k) == next(
+                        (d for o, d in dg.dims[r.node].axes[chosen[r.node]].outputs
+                         if o == r.out), None) for k, r in enumerate(refs)):
+                    placed = (s, a)
+                    break
+            if placed:
+                break
+        if placed is None:
+            segs.append(set())
+            placed = (len(segs) - 1, axes[0])
+        s, a = placed
+        segs[s].add(v)
+        seg_of[v], chosen[v], depth[v] = s, a, max(lo, s)
+    out = []
+    for seg in segs:
+        core = _convex_core(g, seg)
+        out += [p for p in weak_pieces(g, core) if len(p) > 1]
+    return out
+
+
+def _region(g: Graph, dominated: set[int], hot_by_op: dict[int, int],
+            agree=lambda ops: ops) -> set[int]:
+    """The candidate region of a dominator: its dominated set made convex (and
+    its axes agreeing, `_agreeing`), and of the weakly connected pieces that
+    leaves, the hottest (paper §4.3 requires both)."""
+    core = _convex_core(g, agree(_convex_core(g, dominated)))
     if not core:
         return set()
     return max(weak_pieces(g, core), key=lambda p: (sum(hot_by_op.get(v, 0) for v in p), len(p), -min(p)))
@@ -131,15 +254,13 @@ def build_ftree(dg: DGraph, hotspots: dict[Ref, int], *, levels: int = 4, n: int
         nodes = [v for v in comp.ops if not from_inputs[v]]
         if not nodes:
             continue
-        dom = {v: _region(g, d, hot_by_op) for v, d in _dominated(g, nodes).items()}
-        score, heat = {}, {}
-        for v in nodes:
-            region = dom[v]
-            if not region:
-                continue
-            heat[v] = sum(hot_by_op.get(w, 0) for w in region)
-            # Inputs of the region that are neither hot nor resident stay live during
-            # the whole split region: they count against it (eq. 4's input term).
+        agree = lambda ops, _c=comp.id: _agreeing(dg, _c, ops)
+        dom = {v: _region(g, d, hot_by_op, agree) for v, d in _dominated(g, nodes).items()}
+
+        def scored(region):
+            """(score, heat) of a region: eq. 4's gain minus its inputs that are
+            neither hot nor resident (they stay live during the whole split region)."""
+            h = sum(hot_by_op.get(w, 0) for w in region)
             ins = set()
             for w in region:
                 for r in iter_refs((g.nodes[w].args, g.nodes[w].kwargs)):
@@ -147,25 +268,38 @@ def build_ftree(dg: DGraph, hotspots: dict[Ref, int], *, levels: int = 4, n: int
                     if r.node not in region and base not in hotspots \
                             and g.nodes[base.node].kind == "op":
                         ins.add(base)
-            score[v] = (1 - 1 / n) * heat[v] - sum(g.tensor(b).nbytes for b in ins)
-        if not score:
-            continue
-        smax = max(score.values())
+            return (1 - 1 / n) * h - sum(g.tensor(b).nbytes for b in ins), h
+
+        score, heat = {}, {}
+        for v in nodes:
+            if dom[v]:
+                score[v], heat[v] = scored(dom[v])
+        segs = {}
+        if _conflicted(dg, comp.id, nodes):
+            for seg in _segments(dg, comp.id, nodes):
+                segs[min(seg)] = (frozenset(seg), *scored(seg))
+        smax = max([*score.values(), *(sc for _, sc, _ in segs.values())], default=0)
         if smax <= 0:
             continue
+
+        def add(ops, v, lvl, sc, h):
+            if len(ops) < min_ops or (ops, comp.id) in seen or check(dg, ops, comp.id, 1):
+                return
+            top = largest_parts(max_parts(dg, ops, comp.id))
+            if top > 1:
+                seen.add((ops, comp.id))
+                cands.append(Candidate(len(cands), ops, comp.id, v, lvl, sc, h, top))
+
         for lvl in range(1, levels + 1):
             band = {v for v, s in score.items()
                     if lvl / levels <= s / smax < (lvl + 1) / levels or (lvl == levels and s == smax)}
             for v in sorted(band):
                 if dom[v] & band:
                     continue  # a descendant in the same band is chosen instead
-                ops = frozenset(dom[v])
-                if len(ops) < min_ops or (ops, comp.id) in seen:
-                    continue
-                top = largest_parts(max_parts(dg, ops, comp.id))
-                if top > 1 and check(dg, ops, comp.id, 1) is None:
-                    seen.add((ops, comp.id))
-                    cands.append(Candidate(len(cands), ops, comp.id, v, lvl, score[v], heat[v], top))
+                add(frozenset(dom[v]), v, lvl, score[v], heat[v])
+        for v, (ops, sc, h) in sorted(segs.items()):
+            if sc > 0:
+                add(ops, v, max(1, min(levels, int(levels * sc / smax))), sc, h)
     _link(cands)
     return cands
 

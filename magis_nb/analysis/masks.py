@@ -43,9 +43,11 @@ def packable_masks(g: Graph, f: FTrans, dg: DGraph) -> dict[Ref, int]:
     for v in sorted(f.ops):
         node = g.nodes[v]
         refs = list(iter_refs((node.args, node.kwargs)))
-        for idx, d in dg.axis(v, f.comp).inputs:
+        for idx, d in dg.axis(v, f.comp, f.ops).inputs:
             r = refs[idx]
             t = g.tensor(r)
+            if isinstance(d, tuple):
+                continue    # a blocked dim (Note [blocked dims]): its parts are copies anyway
             if r.node in f.ops or r in found or t.dtype != torch.bool or not t.shape \
                     or d == len(t.shape) - 1 or t.shape[-1] % 8:
                 continue

@@ -13,6 +13,7 @@ COMMANDS = {
     "peers": "magis_nb against eager, checkpoint, torch.compile memory budgets, Rockmate (CPU)",
     "overhead": "the generated program against PyTorch before any rewrite (time ratio, ops)",
     "corpus": "real architectures (HF transformers, torch.nn), small and random: optimize, check, peaks",
+    "longctx": "causal LMs at 1-8x the sequence length in eager's memory at 1x, against peers",
     "ddp": "data parallel (2 gloo ranks): magis_nb's bucketed plans against DDP eager",
     "gpu": "the one-shot GPU check: GPU tests, simcheck, eager vs plans, hidden transfers",
 }

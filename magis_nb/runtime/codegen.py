@@ -13,6 +13,7 @@ from typing import Sequence
 
 import torch
 
+from ..analysis.causal import CAUSAL_MASK_TARGET
 from ..distributed.buckets import BUCKET_TARGET
 from ..ir.graph import Graph, LossSeed, Ref, Region, iter_refs
 from ..kernels import SUBSTITUTES, namespace
@@ -157,13 +158,26 @@ def _line(g: Graph, nid: int, loop_var: bool = False, swaps: _Swaps | None = Non
         k = bucket_nodes(g).index(nid)
         return f"{lhs} = _comm.bucket({k}, {_render(g, n.args[0])})  # {_shape_note(g, nid)}"
     call = _call(g, nid)
-    if loop_var and n.target == "aten.narrow.default" and isinstance(n.region, Region) and n.region.chunk:
-        # part k of a fission loop reads its slice at k * chunk
-        src, dim, _, c = n.args
-        call = f"aten.narrow.default({_render(g, src)}, {dim}, _k * {c}, {c})"
+    at = _part_offset(n)
+    if loop_var and at is not None:
+        # part k of a fission loop reads its slice (or its mask rows) at k * chunk
+        args = [_render(g, a) for a in n.args]
+        args[at] = f"_k * {n.region.chunk}"
+        call = f"{call.split('(', 1)[0]}({', '.join(args)})"
     if not outs:
         return call
     return f"{lhs} = {call}  # {_shape_note(g, nid)}"
+
+
+# ops whose argument at this position is part k's offset, k * Region.chunk: a
+# fission part's narrow, and its causal mask (analysis/causal.py)
+_OFFSET_ARG = {"aten.narrow.default": 2, CAUSAL_MASK_TARGET: 1}
+
+
+def _part_offset(n) -> int | None:
+    if isinstance(n.region, Region) and n.region.chunk:
+        return _OFFSET_ARG.get(n.target)
+    return None
 
 
 def _loop_at(g: Graph, order: Sequence[int], i: int, sizes: dict[int, int]):
@@ -209,8 +223,9 @@ def _part_signature(g: Graph, part: Sequence[int]) -> list:
     for v in part:
         n = g.nodes[v]
         args = list(n.args)
-        if n.target == "aten.narrow.default" and isinstance(n.region, Region) and n.region.chunk:
-            args[2] = None
+        at = _part_offset(n)
+        if at is not None:
+            args[at] = None
         sig.append((n.target, norm(tuple(args)), norm(n.kwargs)))
     return sig
 

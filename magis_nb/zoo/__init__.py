@@ -41,6 +41,7 @@ _REGISTRY: dict[str, tuple[str, tuple[str, ...]]] = {
     "vit": ("vit", ("tiny", "paper", "bench", "gpu")),
     "gpt": ("gpt", ("tiny", "paper", "bench", "gpu")),
     "btlm": ("gpt", ("tiny", "paper")),  # same code path as gpt, other options
+    "llama": ("llama", ("tiny",)),       # RoPE, RMSNorm, GQA, SwiGLU, causal SDPA
     "unet": ("unet", ("tiny", "paper", "bench", "gpu")),
     "unetpp": ("unetpp", ("tiny", "paper")),
     # the same without BatchNorm, as the MAGIS authors' benchmark defines them

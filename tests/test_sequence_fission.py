@@ -1,0 +1,157 @@
+"""Fission along the sequence: attention split along its queries.
+
+The query and the key positions of attention scores come from one tensor's
+sequence dim, so ops like ``q @ k.T`` have two axes in one D component (Note
+[ambiguous ops] in analysis/dgraph.py). A region takes the axis its neighbours
+agree on; the F-Tree cuts each block between the projections of k and v and
+the attention (`ftree._segments`). Every region here runs against eager
+PyTorch (loss, gradients) with the measured peak equal to the simulated one.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from magis_nb import zoo
+from magis_nb.analysis import DGraph, apply_fission, build_ftree, check
+from magis_nb.analysis.ftrans import FTrans
+from magis_nb.program import trace
+from magis_nb.verify import Reference
+from magis_nb.zoo.gpt import CausalLM
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+
+BMM = "aten.bmm.default"
+
+
+def _gpt(seq=64, batch=1):
+    torch.manual_seed(0)
+    c = dict(batch=batch, seq=seq, vocab=96, d=32, heads=2, layers=2, ffn=64, max_pos=seq,
+             pos="learned", mlp="gelu", window=None, qkv_bias=False)
+    m = CausalLM(c, p=0.0)
+    ids = torch.randint(0, 96, (batch, seq))
+    return m, (ids, ids.clone())
+
+
+def _seq_comp(dg):
+    return next(c for c in dg.components if ("x0", 1) in c.inputs)
+
+
+def test_scores_have_two_axes_in_the_sequence_component():
+    m, inputs = _gpt()
+    prog = trace(m, inputs)
+    dg = DGraph(prog.graph)
+    comp = _seq_comp(dg)
+    bmms = [v for v in comp.choices if prog.graph.nodes[v].target == BMM]
+    assert bmms, "the attention matmuls are ambiguous along the sequence"
+    assert all(len(comp.choices[v]) == 2 for v in bmms)
+    assert set(comp.ops) >= set(comp.axis_of) | set(comp.choices)
+
+
+def test_attention_regions_split_along_the_queries_are_exact():
+    """The F-Tree offers regions holding a block's attention (scores, softmax,
+    their matmuls), split along the queries with k and v read whole; each
+    runs allclose to eager with the measured peak equal to the simulated one."""
+    m, inputs = _gpt()
+    prog = trace(m, inputs)
+    g = prog.graph
+    dg = DGraph(g)
+    comp = _seq_comp(dg)
+    ref = Reference(m, inputs, None, "train", 0)
+    runs = 0
+    for c in build_ftree(dg, prog.hotspots()):
+        amb = [v for v in c.ops if v in dg.components[c.comp].choices and g.nodes[v].target == BMM]
+        if c.comp != comp.id or not amb:
+            continue
+        axes = dg.region_axes(c.ops, c.comp)
+        # each scores matmul is split along its queries: its first input (q) is sliced
+        for v in amb:
+            assert 0 in dict(dg.dims[v].axes[axes[v]].inputs)
+        for n in (2, 8):
+            split = prog.with_graph(apply_fission(dg, [FTrans(c.ops, c.comp, n)]))
+            chk = ref.check(split.module())
+            assert chk.comparison.allclose, chk.comparison.mismatches
+            assert chk.measured_peak == split.simulate().peak
+            runs += 1
+    assert runs >= 2
+
+
+def test_a_region_with_k_and_the_scores_is_refused():
+    """With k's projection inside, the scores op would need k whole and q split:
+    no axis fits, and check() says so."""
+    m, inputs = _gpt()
+    prog = trace(m, inputs)
+    g = prog.graph
+    dg = DGraph(g)
+    comp = _seq_comp(dg)
+    scores = min(v for v in comp.choices if g.nodes[v].target == BMM)
+    # the scores matmul and the ops that make both of its inputs, back to the norm
+    ops, stack = {scores}, [scores]
+    while stack:
+        v = stack.pop()
+        for p in g.preds(v):
+            if p in comp.ops and p not in ops and g.nodes[p].target != "aten.native_layer_norm.default":
+                ops.add(p)
+                stack.append(p)
+    why = check(dg, ops, comp.id, 2)
+    assert why is not None and ("no axis" in why or "would need all" in why), why
+
+
+@pytest.mark.parametrize("name", ["llama"])
+def test_causal_sdpa_regions_split_along_the_queries(name):
+    """The Llama-style model's causal SDPA (forward and backward) in regions of
+    the F-Tree split along the sequence: each part with its own mask rows."""
+    case = zoo.build(name)
+    ids = case.inputs[0][:1].clone()     # batch 1: the sequence is one dim through the linears
+    inputs = (ids, ids.clone())
+    prog = trace(case.model, inputs)
+    g = prog.graph
+    dg = DGraph(g)
+    comp = _seq_comp(dg)
+    ref = Reference(case.model, inputs, None, "train", 0)
+    sdpa = {n.id for n in g.ops if "scaled_dot_product" in n.target}
+    runs = 0
+    for c in build_ftree(dg, prog.hotspots()):
+        if c.comp != comp.id or not c.ops & sdpa:
+            continue
+        split = prog.with_graph(apply_fission(dg, [FTrans(c.ops, c.comp, 4)]))
+        assert any(n.target == "magis_nb.causal_mask.default" for n in split.graph.ops)
+        chk = ref.check(split.module())
+        assert chk.comparison.allclose, chk.comparison.mismatches
+        assert chk.measured_peak == split.simulate().peak
+        runs += 1
+    assert runs >= 1
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_sequence_runs_through_the_linears_at_batch_2(name):
+    """[B,S,H] -> [B*S,H] before every linear: the sequence lives on in the
+    merged dim as blocks of S (Note [blocked dims]). Regions of the sequence
+    component that hold linears (their matmuls split along blocked rows, their
+    weight gradients summed) run allclose with the measured peak equal to the
+    simulated one."""
+    if name == "gpt":
+        m, inputs = _gpt(batch=2)
+    else:
+        case = zoo.build(name)
+        m, inputs = case.model, case.inputs
+    assert inputs[0].shape[0] == 2
+    prog = trace(m, inputs)
+    g = prog.graph
+    dg = DGraph(g)
+    comp = _seq_comp(dg)
+    mms = {n.id for n in g.ops if n.target == "aten.mm.default"}
+    blocked = [v for v in mms if v in comp.ops and any(isinstance(d, tuple)
+               for _, d in dg.dims[v].axes[comp.axis_of[v]].inputs)]
+    assert len(blocked) >= len(mms) // 2, "the sequence reaches the linears"
+    ref = Reference(m, inputs, None, "train", 0)
+    runs = 0
+    for c in build_ftree(dg, prog.hotspots()):
+        if c.comp != comp.id or not c.ops & set(blocked):
+            continue
+        split = prog.with_graph(apply_fission(dg, [FTrans(c.ops, c.comp, 4)]))
+        chk = ref.check(split.module())
+        assert chk.comparison.allclose, chk.comparison.mismatches
+        assert chk.measured_peak == split.simulate().peak
+        runs += 1
+    assert runs >= 1
