@@ -195,17 +195,19 @@ def _segments(dg: DGraph, comp: int, nodes) -> list[set[int]]:
             continue
         refs = list(iter_refs((g.nodes[v].args, g.nodes[v].kwargs)))
         axes = [c.axis_of[v]] if v in c.axis_of else c.choices[v]
-        placed = None
-        for s in range(lo, len(segs)):
-            for a in axes:
-                sliced = dict(dg.dims[v].axes[a].inputs)
-                if all(seg_of.get(r.node) != s or sliced.get(k) == next(
-                        (d for o, d in dg.dims[r.node].axes[chosen[r.node]].outputs
-                         if o == r.out), None) for k, r in enumerate(refs)):
-                    placed = (s, a)
-                    break
-            if placed:
-                break
+        def agrees(s, a):
+            # each producer in segment s splits the tensor v reads, along the
+            # dim v's axis slices (a reduced output or one read whole cannot stay)
+            sliced = dict(dg.dims[v].axes[a].inputs)
+            for k, r in enumerate(refs):
+                if seg_of.get(r.node) == s:
+                    d = next((d for o, d in dg.dims[r.node].axes[chosen[r.node]].outputs
+                              if o == r.out), None)
+                    if d is None or sliced.get(k) != d:
+                        return False
+            return True
+
+        placed = next(((s, a) for s in range(lo, len(segs)) for a in axes if agrees(s, a)), None)
         if placed is None:
             segs.append(set())
             placed = (len(segs) - 1, axes[0])
