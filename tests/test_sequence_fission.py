@@ -155,3 +155,35 @@ def test_sequence_runs_through_the_linears_at_batch_2(name):
         assert chk.measured_peak == split.simulate().peak
         runs += 1
     assert runs >= 1
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_backward_regions_recompute_their_forward_in_parts(name):
+    """Note [recomputed in parts]: a backward segment that remakes its slices of
+    the forward it reads. Its recomputed ops are forward ops only, none draws
+    random numbers; split, it runs allclose with the measured peak equal to the
+    simulated one, and below the unsplit peak (the saved tensors die in the
+    forward)."""
+    from magis_nb.analysis.ftree import forward_ops
+    from magis_nb.bench.longctx import case_at
+
+    case = case_at(name, 128, 1)   # long enough that the saved forward is at the peak
+    prog = trace(case.model, case.inputs)
+    g = prog.graph
+    dg = DGraph(g)
+    fwd = forward_ops(g)
+    ref = Reference(case.model, case.inputs, None, "train", 0)
+    base = prog.simulate().peak
+    rec = [c for c in build_ftree(dg, prog.hotspots()) if c.recompute]
+    assert rec, "a backward segment recomputes its forward"
+    best = base
+    for c in rec:
+        assert c.recompute <= fwd and not c.ops & fwd
+        assert not any(g.nodes[v].rng for v in c.recompute)
+        split = prog.with_graph(apply_fission(dg, [c.ftrans(4)]))
+        assert any("_r_p" in n.name for n in split.graph.ops)
+        chk = ref.check(split.module())
+        assert chk.comparison.allclose, chk.comparison.mismatches
+        assert chk.measured_peak == split.simulate().peak
+        best = min(best, chk.measured_peak)
+    assert best < base

@@ -134,7 +134,7 @@ def _owners(dg: DGraph, regions: list[FTrans]) -> dict[int, int]:
     overlapping region."""
     owner: dict[int, int] = {}
     for i, f in enumerate(regions):
-        why = check(dg, f.ops, f.comp, f.n)
+        why = check(dg, f.ops, f.comp, f.n, f.recompute)
         if why:
             raise ValueError(f"invalid fission region {i}: {why}")
         for v in f.ops:
@@ -225,7 +225,9 @@ class _Expansion:
 
     def __init__(self, b: ProtoBuilder, dg: DGraph, f: FTrans, rid: int, plan):
         self.b, self.dg, self.g, self.f, self.rid, self.plan = b, dg, dg.graph, f, rid, plan
-        self.ops = sorted(f.ops)
+        # recomputed ops first: each part makes its own slice of what the region
+        # reads of them (Note [recomputed in parts])
+        self.ops = sorted(f.recompute) + sorted(f.ops)
         self.n = f.n
         # Every input of the region comes from an op with a smaller id than its last
         # op, so keying the region there keeps its parts together in program order.
@@ -364,16 +366,17 @@ class _Expansion:
                  narrows: dict[tuple[Ref, int], Ref]) -> None:
         """Op ``v`` on part k's tensors; its outputs go into ``part``."""
         node = self.g.nodes[v]
-        ax = self.dg.axis(v, self.f.comp, self.f.ops)
+        every = self.f.split_ops
+        ax = self.dg.axis(v, self.f.comp, every)
         cut = dict(ax.inputs)
         shapes = _part_shapes(node, ax.outputs, self.n)
-        a_idx = self.dg.axis_index(v, self.f.comp, self.f.ops)
+        a_idx = self.dg.axis_index(v, self.f.comp, every)
         args, kwargs = self.dg.dims[v].chunk_args(node, a_idx, shapes)
 
         need = self.dg.dims[v].contiguous
 
         def sub(r: Ref, idx: int) -> Ref:
-            if r.node in self.f.ops:
+            if r.node in every:
                 got = part[r]
                 return self.dense(got, cut[idx], k, narrows) if idx in need and idx in cut else got
             if idx in cut:
@@ -393,8 +396,9 @@ class _Expansion:
             ai = alias_arg(node.op, i)
             src = args[ai] if ai is not None and ai < len(args) and isinstance(args[ai], Ref) else None
             outs.append(_info(shapes[i], t, alias=src))
+        again = "_r" if v in self.f.recompute else ""
         nid = self.b.op(node.target, node.op, args, kwargs, outs, self.key(1, k),
-                        f"{node.name}_p{k}", node.category, Region(self.rid, k, self.n, 0))
+                        f"{node.name}{again}_p{k}", node.category, Region(self.rid, k, self.n, 0))
         self.b.nodes[nid].multi = node.multi
         for i in range(len(node.outputs)):
             part[Ref(v, i)] = Ref(nid, i)

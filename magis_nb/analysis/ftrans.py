@@ -10,6 +10,22 @@ Validity, checked explicitly:
 Plus what execution needs: every tensor leaving S either carries the axis (parts
 are concatenated) or is a reduction over it with a known combine (sum/max/min/mean),
 and n divides every axis length in S.
+
+Note [recomputed in parts]
+A backward region split along the sequence reads slices of tensors the forward
+saved for it (attention outputs, an MLP's hidden activations, norms' inputs).
+Kept whole, they are what a long context fills memory with; recomputed whole
+(re-materialization, which the search applies after fission), each is briefly
+whole again. A region can instead carry ``recompute``: forward ops whose outputs
+it reads in slices and nothing after the forward reads but the region, followed
+upward while that holds (`ftree.recompute_set`). Each part runs its slices of
+them first, from slices (or, where their axis passes them whole, all) of what
+they read, then its own ops; the originals still run in the forward, but their
+outputs die there. This is checkpointing and chunking at once: what flash
+attention does for the scores and chunked MLPs do by hand, found for every
+backward segment of the sequence component (`ftree._segments` over the
+backward ops alone). A recomputed op must not draw random numbers; the region
+and its recomputed ops must agree on their axes as one region would.
 """
 from __future__ import annotations
 
@@ -26,6 +42,13 @@ class FTrans:
     comp: int
     n: int = 1
     pack: bool = False      # pack the dropout masks the parts read (Note [packed masks])
+    # forward ops each part recomputes its own slice of (Note [recomputed in parts])
+    recompute: frozenset[int] = frozenset()
+
+    @property
+    def split_ops(self) -> frozenset[int]:
+        """The ops run in parts: the region's and those it recomputes."""
+        return self.ops | self.recompute
 
     @property
     def enabled(self) -> bool:
@@ -92,11 +115,14 @@ def weak_pieces(g: Graph, ops) -> list[set[int]]:
     return out
 
 
-def check(dg: DGraph, ops, comp: int, n: int = 2) -> str | None:
-    """None when (ops, comp, n) is a valid F-Trans, else the reason it is not."""
+def check(dg: DGraph, ops, comp: int, n: int = 2, recompute=frozenset()) -> str | None:
+    """None when (ops, comp, n) is a valid F-Trans, else the reason it is not.
+    ``recompute``: forward ops each part recomputes (Note [recomputed in parts]):
+    split along with the region, their outputs never leave it."""
     g = dg.graph
-    ops = frozenset(ops)
-    if not ops:
+    region = frozenset(ops)
+    ops = region | frozenset(recompute)
+    if not region:
         return "empty region"
     c = dg.components[comp]
     for v in ops:
@@ -109,10 +135,12 @@ def check(dg: DGraph, ops, comp: int, n: int = 2) -> str | None:
         return why
     if n > 1 and max_parts(dg, ops, comp) % n:
         return f"{n} does not divide the axis length {max_parts(dg, ops, comp)}"
-    if len(weak_pieces(g, ops)) != 1:
+    if len(weak_pieces(g, region)) != 1:
         return "not weakly connected"
-    if reentered(g, ops):
+    if reentered(g, region):
         return "not convex: a path leaves the region and comes back"
+    if any(g.nodes[v].rng for v in recompute):
+        return "a recomputed op draws random numbers"
     for v in ops:
         ax = dg.axis(v, comp, ops)
         sliced = {k: d for k, d in ax.inputs}
@@ -124,7 +152,7 @@ def check(dg: DGraph, ops, comp: int, n: int = 2) -> str | None:
             if not dims or sliced.get(k) != dims[0]:
                 return (f"{g.nodes[v].name} would need all of {g.nodes[r.node].name}'s "
                         "output (redundant computation)")
-    for r in region_outputs(g, ops):
+    for r in region_outputs(g, region):
         ax = dg.axis(r.node, comp, ops)
         if not any(o == r.out for o, _ in ax.outputs) and ax.combine is None:
             return f"output of {g.nodes[r.node].name} cannot be merged across parts"
@@ -135,7 +163,7 @@ def plan_outputs(dg: DGraph, f: FTrans) -> dict[Ref, tuple[str, int]]:
     """How each region output is assembled: ("cat", dim) or (combine, -1)."""
     out = {}
     for r in region_outputs(dg.graph, f.ops):
-        ax = dg.axis(r.node, f.comp, f.ops)
+        ax = dg.axis(r.node, f.comp, f.split_ops)
         dims = [d for o, d in ax.outputs if o == r.out]
         out[r] = ("cat", dims[0]) if dims else (ax.combine, -1)
     return out

@@ -43,10 +43,11 @@ class Candidate:
     parent: int | None = None
     children: list[int] = field(default_factory=list)
     pack: bool = False      # its dropout masks packed (Note [packed masks] in masks.py)
-    twin: int | None = None  # the same region with the other ``pack``
+    twin: int | None = None  # the same region with the other ``pack`` (or ``recompute``)
+    recompute: frozenset[int] = frozenset()  # Note [recomputed in parts] in ftrans.py
 
     def ftrans(self, n: int) -> FTrans:
-        return FTrans(self.ops, self.comp, n, self.pack)
+        return FTrans(self.ops, self.comp, n, self.pack, self.recompute)
 
 
 def _dominated(g: Graph, nodes: list[int]) -> dict[int, set[int]]:
@@ -252,6 +253,7 @@ def build_ftree(dg: DGraph, hotspots: dict[Ref, int], *, levels: int = 4, n: int
                 or from_inputs.get(p, False) for p in g.preds(nd.id))
     cands: list[Candidate] = []
     seen: set[tuple] = set()
+    fwd = forward_ops(g)
     for comp in dg.components:
         nodes = [v for v in comp.ops if not from_inputs[v]]
         if not nodes:
@@ -277,20 +279,31 @@ def build_ftree(dg: DGraph, hotspots: dict[Ref, int], *, levels: int = 4, n: int
             if dom[v]:
                 score[v], heat[v] = scored(dom[v])
         segs = {}
+        again: dict[int, frozenset[int]] = {}
         if _conflicted(dg, comp.id, nodes):
             for seg in _segments(dg, comp.id, nodes):
                 segs[min(seg)] = (frozenset(seg), *scored(seg))
+            # the backward alone, cut the same way, each segment remaking its slices
+            # of the forward it reads (Note [recomputed in parts] in ftrans.py)
+            for seg in _segments(dg, comp.id, [v for v in nodes if v not in fwd]):
+                seg = frozenset(seg)
+                rec = recompute_set(dg, seg, comp.id, fwd) if seg not in (x[0] for x in segs.values()) else None
+                if rec and check(dg, seg, comp.id, 1, rec) is None:
+                    freed = sum(hot_by_op.get(w, 0) for w in rec)
+                    v = min(seg)
+                    segs[v] = (seg, (1 - 1 / n) * freed, freed)
+                    again[v] = rec
         smax = max([*score.values(), *(sc for _, sc, _ in segs.values())], default=0)
         if smax <= 0:
             continue
 
-        def add(ops, v, lvl, sc, h):
-            if len(ops) < min_ops or (ops, comp.id) in seen or check(dg, ops, comp.id, 1):
+        def add(ops, v, lvl, sc, h, rec=frozenset()):
+            if len(ops) < min_ops or (ops, comp.id, rec) in seen or check(dg, ops, comp.id, 1, rec):
                 return
-            top = largest_parts(max_parts(dg, ops, comp.id))
+            top = largest_parts(max_parts(dg, ops | rec, comp.id))
             if top > 1:
-                seen.add((ops, comp.id))
-                cands.append(Candidate(len(cands), ops, comp.id, v, lvl, sc, h, top))
+                seen.add((ops, comp.id, rec))
+                cands.append(Candidate(len(cands), ops, comp.id, v, lvl, sc, h, top, recompute=rec))
 
         for lvl in range(1, levels + 1):
             band = {v for v, s in score.items()
@@ -301,7 +314,8 @@ def build_ftree(dg: DGraph, hotspots: dict[Ref, int], *, levels: int = 4, n: int
                 add(frozenset(dom[v]), v, lvl, score[v], heat[v])
         for v, (ops, sc, h) in sorted(segs.items()):
             if sc > 0:
-                add(ops, v, max(1, min(levels, int(levels * sc / smax))), sc, h)
+                add(ops, v, max(1, min(levels, int(levels * sc / smax))), sc, h,
+                    again.get(v, frozenset()))
     _link(cands)
     return cands
 
@@ -317,6 +331,47 @@ def add_pack_twins(dg: DGraph, cands: list[Candidate]) -> None:
                                        twin=c.id)
             c.twin = twin.id
             cands.append(twin)
+
+
+def forward_ops(g: Graph) -> set[int]:
+    """The ops the loss depends on (the forward of a training step)."""
+    loss = [r.node for r, role in zip(g.outputs, g.output_roles) if role and role[0] == "loss"]
+    return _closure(g, set(loss), {n.id for n in g.ops}, up=True) if loss else set()
+
+
+def recompute_set(dg: DGraph, region: frozenset[int], cid: int, fwd: set[int]) -> frozenset[int]:
+    """Note [recomputed in parts] in ftrans.py: the forward ops whose outputs the
+    region reads in slices and nothing else after the forward reads, and so on
+    upward while that holds: each part can remake its slice of them, and the
+    whole tensors need not be kept from the forward to the region."""
+    g, comp = dg.graph, dg.components[cid]
+    if region & fwd:
+        return frozenset()          # a region in the backward only
+    axes = dg.region_axes(region, cid)
+    if isinstance(axes, str):
+        return frozenset()
+    late: dict[Ref, set[int]] = {}  # a forward tensor -> its readers outside the forward
+    for n in g.ops:
+        if n.id not in fwd:
+            for r in iter_refs((n.args, n.kwargs)):
+                if r.node in fwd:
+                    late.setdefault(r, set()).add(n.id)
+    got: set[int] = set()
+    todo = []                       # (a tensor read in slices, the dim it is cut along)
+    for v in region:
+        refs = list(iter_refs((g.nodes[v].args, g.nodes[v].kwargs)))
+        todo += [(refs[k], d) for k, d in dg.dims[v].axes[axes[v]].inputs]
+    while todo:
+        r, d = todo.pop()
+        p = r.node
+        if p in got or p not in fwd or p not in comp.axis_of or g.nodes[p].rng \
+                or g.nodes[p].kind != "op" or not late.get(r, set()) <= region \
+                or (r.out, d) not in dg.axis(p, cid).outputs:
+            continue
+        got.add(p)
+        refs = list(iter_refs((g.nodes[p].args, g.nodes[p].kwargs)))
+        todo += [(refs[k], dk) for k, dk in dg.axis(p, cid).inputs]
+    return frozenset(got)
 
 
 def _link(cands: list[Candidate]) -> None:

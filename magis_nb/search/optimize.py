@@ -70,7 +70,7 @@ class _Builder:
         for cid, n in st.plan:
             c = sp.cands[cid]
             regions.append(Region(sp.dg.components[c.comp].name, n, len(c.ops),
-                                  sp.base.nodes[min(c.ops)].name, c.pack))
+                                  sp.base.nodes[min(c.ops)].name, c.pack, len(c.recompute)))
         remat = sorted(s.op for b in st.batches if b.kind == "remat" for s in b.specs)
         swaps = sorted(f"{s.producer}" + (f"[{s.out}]" if s.out else "")
                        for b in st.batches if b.kind == "swap" for s in b.specs)

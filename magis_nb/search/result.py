@@ -27,10 +27,12 @@ class Region:
     ops: int            # ops in the region
     first: str          # name of the region's first op (where it starts in the model)
     packed: bool = False  # its dropout masks packed 8 to a byte (Note [packed masks])
+    recomputed: int = 0   # forward ops each part recomputes (Note [recomputed in parts])
 
     @property
     def label(self) -> str:
-        return f"{self.dim}/{self.n}" + (" packed" if self.packed else "")
+        return f"{self.dim}/{self.n}" + (" packed" if self.packed else "") \
+            + (f" recomputing {self.recomputed}" if self.recomputed else "")
 
 
 @dataclass
