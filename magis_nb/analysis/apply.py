@@ -141,6 +141,9 @@ def _owners(dg: DGraph, regions: list[FTrans]) -> dict[int, int]:
             if v in owner:
                 raise ValueError("fission regions overlap (nested fission is not supported)")
             owner[v] = i
+    for i, f in enumerate(regions):
+        if any(v in owner for v in f.recompute):
+            raise ValueError(f"fission region {i} recomputes an op another region splits")
     return owner
 
 

@@ -402,7 +402,11 @@ def _descendants(cands, i):
 
 
 def _overlaps(cands, plan, i) -> bool:
-    return any(cands[i].ops & cands[j].ops for j, n in plan.items() if n > 1 and j != i)
+    """Region i shares an op with another enabled one; an op a region recomputes
+    counts as its own (its copies read that op's inputs as they are outside)."""
+    mine = cands[i].ops | cands[i].recompute
+    return any(mine & (cands[j].ops | cands[j].recompute) for j, n in plan.items()
+               if n > 1 and j != i)
 
 
 def mutations(cands: list[Candidate], plan: dict[int, int]) -> list[tuple[str, dict[int, int]]]:

@@ -101,9 +101,9 @@ def enable_top(space: Space, st: State) -> tuple | None:
     step split along the batch; reaching it from the leaves takes a lift per
     F-Tree level, each waiting for its turn in the queue."""
     plan = dict(st.plan)
-    taken = [space.cands[j].ops for j in plan]
+    taken = [space.cands[j].ops | space.cands[j].recompute for j in plan]
     for c in sorted(space.cands, key=lambda c: (-c.score, c.id)):
-        if c.id in plan or any(c.ops & ops for ops in taken):
+        if c.id in plan or any((c.ops | c.recompute) & ops for ops in taken):
             continue
         return tuple(sorted({**plan, c.id: least_parts(c.max_n)}.items()))
     return None
