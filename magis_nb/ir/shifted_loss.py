@@ -162,7 +162,7 @@ def _rewrite(g: Graph, matches: list[_Match]) -> Graph:
             nid = rw.add(n.name, "aten.view.default", aten.view.default, (rw.fix(m.logits), list(shape)),
                          {}, [TensorInfo(shape, t.dtype, 0, rw.fix(m.logits), tuple(_contiguous(shape)),
                                          t.device)], n.category, keep_name=True)
-            _mark(nid, n, shape)
+            rw.remap[Ref(n.id, 0)] = Ref(nid, 0)
             return True
         if n.id in by_target:
             m = by_target[n.id]
@@ -187,7 +187,7 @@ def _rewrite(g: Graph, matches: list[_Match]) -> Graph:
             nid = rw.add(n.name, "aten.view.default", aten.view.default, (Ref(cat, 0), list(shape)), {},
                          [TensorInfo(shape, t.dtype, 0, Ref(cat, 0), (1,), t.device)], n.category,
                          keep_name=True)
-            _mark(nid, n, shape)
+            rw.remap[Ref(n.id, 0)] = Ref(nid, 0)
             return True
         if not any(_grew(rw, g, r) for r in iter_refs((n.args, n.kwargs))):
             return False
@@ -199,9 +199,6 @@ def _rewrite(g: Graph, matches: list[_Match]) -> Graph:
             return True
         _redo(rw, n)
         return True
-
-    def _mark(nid, n, shape):
-        rw.remap[Ref(n.id, 0)] = Ref(nid, 0)
 
     def _redo(rw: Rewriter, n: Node) -> None:
         """``n`` again, on the new shapes: a view's size follows its input's
