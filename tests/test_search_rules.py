@@ -248,11 +248,14 @@ def test_enable_top_takes_the_best_scoring_candidate_that_fits():
     from types import SimpleNamespace
     from magis_nb.search.proposals import enable_top as _enable_top
     C = lambda i, ops, score, max_n: SimpleNamespace(id=i, ops=frozenset(ops), score=score,  # noqa: E731
-                                                     max_n=max_n)
+                                                     max_n=max_n, recompute=frozenset())
     space = SimpleNamespace(cands=[C(0, {1, 2}, 5.0, 8), C(1, {1, 2, 3, 4}, 9.0, 6), C(2, {7}, 1.0, 4)])
     assert _enable_top(space, _fission_st((), 1, 1.0)) == ((1, 2),)
     # candidate 1 overlaps the enabled 0: the next best that fits is 2
     assert _enable_top(space, _fission_st(((0, 2),), 1, 1.0)) == ((0, 2), (2, 2))
+    # an op a region recomputes in parts counts as its own: 3 recomputes op 2 of the enabled 0
+    rec = SimpleNamespace(id=1, ops=frozenset({5}), score=9.0, max_n=4, recompute=frozenset({2}))
+    assert _enable_top(SimpleNamespace(cands=[space.cands[0], rec]), _fission_st(((0, 2),), 1, 1.0)) is None
     # the least n > 1 that divides max_n
     space.cands[1].max_n = 9
     assert _enable_top(space, _fission_st((), 1, 1.0)) == ((1, 3),)
