@@ -23,13 +23,13 @@ from collections.abc import Iterable
 import torch
 
 from ..ir.build import alias_arg
-from ..ir.graph import Graph, Node, Ref, Region, TensorInfo, iter_refs, map_refs
+from ..ir.graph import Graph, Node, Ref, Region, TensorInfo, contiguous, iter_refs, map_refs
 from .causal import CAUSAL_MASK, CAUSAL_MASK_TARGET, CausalPart
 from .dgraph import DGraph
 from .dims_base import dim_index
 from .ftrans import FTrans, check, plan_outputs
 from .masks import PackedMask, pack_masks
-from .proto import External, ProtoBuilder, contiguous
+from .proto import External, ProtoBuilder
 
 aten = torch.ops.aten
 

@@ -254,6 +254,7 @@ def build_ftree(dg: DGraph, hotspots: dict[Ref, int], *, levels: int = 4, n: int
     cands: list[Candidate] = []
     seen: set[tuple] = set()
     fwd = forward_ops(g)
+    late = None                         # late_readers(g, fwd), made on first use
     for comp in dg.components:
         nodes = [v for v in comp.ops if not from_inputs[v]]
         if not nodes:
@@ -287,7 +288,10 @@ def build_ftree(dg: DGraph, hotspots: dict[Ref, int], *, levels: int = 4, n: int
             # of the forward it reads (Note [recomputed in parts] in ftrans.py)
             for seg in _segments(dg, comp.id, [v for v in nodes if v not in fwd]):
                 seg = frozenset(seg)
-                rec = recompute_set(dg, seg, comp.id, fwd) if seg not in (x[0] for x in segs.values()) else None
+                if late is None:
+                    late = late_readers(g, fwd)
+                rec = recompute_set(dg, seg, comp.id, fwd, late) \
+                    if seg not in (x[0] for x in segs.values()) else None
                 if rec and check(dg, seg, comp.id, 1, rec) is None:
                     freed = sum(hot_by_op.get(w, 0) for w in rec)
                     v = min(seg)
@@ -339,7 +343,19 @@ def forward_ops(g: Graph) -> set[int]:
     return _closure(g, set(loss), {n.id for n in g.ops}, up=True) if loss else set()
 
 
-def recompute_set(dg: DGraph, region: frozenset[int], cid: int, fwd: set[int]) -> frozenset[int]:
+def late_readers(g: Graph, fwd: set[int]) -> dict[Ref, set[int]]:
+    """A forward tensor -> the ops outside the forward that read it."""
+    late: dict[Ref, set[int]] = {}
+    for n in g.ops:
+        if n.id not in fwd:
+            for r in iter_refs((n.args, n.kwargs)):
+                if r.node in fwd:
+                    late.setdefault(r, set()).add(n.id)
+    return late
+
+
+def recompute_set(dg: DGraph, region: frozenset[int], cid: int, fwd: set[int],
+                  late: dict[Ref, set[int]]) -> frozenset[int]:
     """Note [recomputed in parts] in ftrans.py: the forward ops whose outputs the
     region reads in slices and nothing else after the forward reads, and so on
     upward while that holds: each part can remake its slice of them, and the
@@ -350,12 +366,6 @@ def recompute_set(dg: DGraph, region: frozenset[int], cid: int, fwd: set[int]) -
     axes = dg.region_axes(region, cid)
     if isinstance(axes, str):
         return frozenset()
-    late: dict[Ref, set[int]] = {}  # a forward tensor -> its readers outside the forward
-    for n in g.ops:
-        if n.id not in fwd:
-            for r in iter_refs((n.args, n.kwargs)):
-                if r.node in fwd:
-                    late.setdefault(r, set()).add(n.id)
     got: set[int] = set()
     todo = []                       # (a tensor read in slices, the dim it is cut along)
     for v in region:

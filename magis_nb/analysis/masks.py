@@ -24,10 +24,10 @@ import math
 
 import torch
 
-from ..ir.graph import Graph, Ref, Region, TensorInfo, iter_refs
+from ..ir.graph import Graph, Ref, Region, TensorInfo, contiguous, iter_refs
 from .dgraph import DGraph
 from .ftrans import FTrans
-from .proto import External, ProtoBuilder, contiguous
+from .proto import External, ProtoBuilder
 
 aten = torch.ops.aten
 

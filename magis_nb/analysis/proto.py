@@ -20,15 +20,6 @@ class External(Ref):
     """A reference to a tensor of the original graph, resolved after all regions exist."""
 
 
-def contiguous(shape) -> list[int]:
-    """The strides of a contiguous tensor of ``shape``."""
-    st, acc = [], 1
-    for s in reversed(shape):
-        st.append(acc)
-        acc *= s
-    return st[::-1]
-
-
 def has_external(node: Node) -> bool:
     """``node`` reads or aliases an `External` ref."""
     return any(isinstance(r, External) for r in iter_refs((node.args, node.kwargs))) \

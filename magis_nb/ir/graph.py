@@ -80,6 +80,15 @@ class Node:
     region: Region | tuple = ()     # fission: the op's place in a split region; () outside one
 
 
+def contiguous(shape) -> list[int]:
+    """The strides of a contiguous tensor of ``shape``."""
+    st, acc = [], 1
+    for s in reversed(shape):
+        st.append(acc)
+        acc *= s
+    return st[::-1]
+
+
 def iter_refs(obj) -> list[Ref]:
     """The Refs in an args structure, depth first. A list rather than a generator:
     every graph pass walks every node's args, and nested generators cost several

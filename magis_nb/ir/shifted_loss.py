@@ -33,7 +33,7 @@ import math
 import torch
 
 from .build import alias_arg
-from .graph import Graph, Node, Ref, TensorInfo, iter_refs, map_refs
+from .graph import Graph, Node, Ref, TensorInfo, contiguous, iter_refs, map_refs
 from .passes import Rewriter
 
 aten = torch.ops.aten
@@ -113,18 +113,10 @@ def _match(g: Graph, nll: Node) -> _Match | None:
     if any(r.node in chain for r in g.outputs):
         return None
     st = L.stride
-    if st is not None and list(st) != _contiguous(L.shape):
+    if st is not None and list(st) != contiguous(L.shape):
         return None
     part = Ref(tclones[-1], 0) if tclones else Ref(ts.id, 0)
     return _Match(s.args[0], u.id, chain[:-1], tv.id, part, d, int(nll.args[4]))
-
-
-def _contiguous(shape) -> list[int]:
-    st, acc = [], 1
-    for s in reversed(shape):
-        st.append(acc)
-        acc *= s
-    return st[::-1]
 
 
 def unshift_loss(g: Graph) -> Graph:
@@ -160,7 +152,7 @@ def _rewrite(g: Graph, matches: list[_Match]) -> Graph:
             t = n.outputs[0]
             shape = (math.prod(L.shape[:-1]), L.shape[-1])
             nid = rw.add(n.name, "aten.view.default", aten.view.default, (rw.fix(m.logits), list(shape)),
-                         {}, [TensorInfo(shape, t.dtype, 0, rw.fix(m.logits), tuple(_contiguous(shape)),
+                         {}, [TensorInfo(shape, t.dtype, 0, rw.fix(m.logits), tuple(contiguous(shape)),
                                          t.device)], n.category, keep_name=True)
             rw.remap[Ref(n.id, 0)] = Ref(nid, 0)
             return True
@@ -239,5 +231,5 @@ def _grew(rw: Rewriter, g: Graph, r: Ref) -> bool:
 
 def _meta(rw: Rewriter, r: Ref) -> torch.Tensor:
     t = rw.nodes[r.node].outputs[r.out]
-    st = t.stride if t.stride is not None else _contiguous(t.shape)
+    st = t.stride if t.stride is not None else contiguous(t.shape)
     return torch.empty_strided(tuple(t.shape), tuple(st), dtype=t.dtype, device="meta")
