@@ -33,6 +33,15 @@ def _gpt(seq=64, batch=1):
     return m, (ids, ids.clone())
 
 
+def exact(split, ref):
+    """Run a split program against eager: allclose, and its measured peak the
+    simulated one. Returns the check."""
+    chk = ref.check(split.module())
+    assert chk.comparison.allclose, chk.comparison.mismatches
+    assert chk.measured_peak == split.simulate().peak
+    return chk
+
+
 def _seq_comp(dg):
     return next(c for c in dg.components if ("x0", 1) in c.inputs)
 
@@ -69,9 +78,7 @@ def test_attention_regions_split_along_the_queries_are_exact():
             assert 0 in dict(dg.dims[v].axes[axes[v]].inputs)
         for n in (2, 8):
             split = prog.with_graph(apply_fission(dg, [FTrans(c.ops, c.comp, n)]))
-            chk = ref.check(split.module())
-            assert chk.comparison.allclose, chk.comparison.mismatches
-            assert chk.measured_peak == split.simulate().peak
+            exact(split, ref)
             runs += 1
     assert runs >= 2
 
@@ -116,9 +123,7 @@ def test_causal_sdpa_regions_split_along_the_queries(name):
             continue
         split = prog.with_graph(apply_fission(dg, [FTrans(c.ops, c.comp, 4)]))
         assert any(n.target == "magis_nb.causal_mask.default" for n in split.graph.ops)
-        chk = ref.check(split.module())
-        assert chk.comparison.allclose, chk.comparison.mismatches
-        assert chk.measured_peak == split.simulate().peak
+        exact(split, ref)
         runs += 1
     assert runs >= 1
 
@@ -150,9 +155,7 @@ def test_sequence_runs_through_the_linears_at_batch_2(name):
         if c.comp != comp.id or not c.ops & set(blocked):
             continue
         split = prog.with_graph(apply_fission(dg, [FTrans(c.ops, c.comp, 4)]))
-        chk = ref.check(split.module())
-        assert chk.comparison.allclose, chk.comparison.mismatches
-        assert chk.measured_peak == split.simulate().peak
+        exact(split, ref)
         runs += 1
     assert runs >= 1
 
@@ -182,8 +185,6 @@ def test_backward_regions_recompute_their_forward_in_parts(name):
         assert not any(g.nodes[v].rng for v in c.recompute)
         split = prog.with_graph(apply_fission(dg, [c.ftrans(4)]))
         assert any("_r_p" in n.name for n in split.graph.ops)
-        chk = ref.check(split.module())
-        assert chk.comparison.allclose, chk.comparison.mismatches
-        assert chk.measured_peak == split.simulate().peak
+        chk = exact(split, ref)
         best = min(best, chk.measured_peak)
     assert best < base
