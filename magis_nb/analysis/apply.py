@@ -30,6 +30,8 @@ from .dims_base import dim_index
 from .ftrans import FTrans, check, plan_outputs
 from .masks import PackedMask, pack_masks
 from .proto import External, ProtoBuilder
+from .spatial import check as check_tiles
+from .spatial import expand_tiles
 
 aten = torch.ops.aten
 
@@ -99,14 +101,17 @@ def apply_fission(dg: DGraph, regions: Iterable[FTrans]) -> Graph:
     b = ProtoBuilder(g)
     proto: dict[int, int] = {}            # original node id -> proto id (unsplit nodes)
     joined: dict[Ref, Ref] = {}           # region output -> proto ref of the full result
-    plans = [plan_outputs(dg, f) for f in regions]
+    plans = [None if f.tiles else plan_outputs(dg, f) for f in regions]
     # Region outputs get their proto ids first so that later consumers can point to them.
     for n in g.nodes:
         if n.id in owner:
             continue
         proto[n.id] = b.add(_copy(n), (n.id, 0, 0, 0))
     for i, f in enumerate(regions):
-        _expand_region(b, dg, f, i, plans[i], joined)
+        if f.tiles:
+            expand_tiles(b, g, f.ops, f.tiles, f.n, i, joined)
+        else:
+            _expand_region(b, dg, f, i, plans[i], joined)
 
     def resolve(r: Ref, _k=None) -> Ref:
         # an External never equals a Ref (dataclass eq checks the class): look it up as one
@@ -134,7 +139,8 @@ def _owners(dg: DGraph, regions: list[FTrans]) -> dict[int, int]:
     overlapping region."""
     owner: dict[int, int] = {}
     for i, f in enumerate(regions):
-        why = check(dg, f.ops, f.comp, f.n, f.recompute)
+        why = check_tiles(dg.graph, f.ops, f.tiles, f.n) if f.tiles \
+            else check(dg, f.ops, f.comp, f.n, f.recompute)
         if why:
             raise ValueError(f"invalid fission region {i}: {why}")
         for v in f.ops:

@@ -44,6 +44,8 @@ class FTrans:
     pack: bool = False      # pack the dropout masks the parts read (Note [packed masks])
     # forward ops each part recomputes its own slice of (Note [recomputed in parts])
     recompute: frozenset[int] = frozenset()
+    # image dims tiled with halos, n parts per dim (Note [tiles with halos] in spatial.py)
+    tiles: tuple[int, ...] = ()
 
     @property
     def split_ops(self) -> frozenset[int]:

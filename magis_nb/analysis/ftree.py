@@ -45,9 +45,12 @@ class Candidate:
     pack: bool = False      # its dropout masks packed (Note [packed masks] in masks.py)
     twin: int | None = None  # the same region with the other ``pack`` (or ``recompute``)
     recompute: frozenset[int] = frozenset()  # Note [recomputed in parts] in ftrans.py
+    # image dims split into tiles, n per dim (Note [tiles with halos] in spatial.py);
+    # such a candidate has no D component (comp -1)
+    tiles: tuple[int, ...] = ()
 
     def ftrans(self, n: int) -> FTrans:
-        return FTrans(self.ops, self.comp, n, self.pack, self.recompute)
+        return FTrans(self.ops, self.comp, n, self.pack, self.recompute, self.tiles)
 
 
 def _dominated(g: Graph, nodes: list[int]) -> dict[int, set[int]]:

@@ -9,6 +9,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
 from ..analysis.ftrans import divisors
+from ..analysis.spatial import tiles_name
 from ..capture import CaptureError
 from ..distributed import BucketComm
 from ..program import trace
@@ -69,7 +70,8 @@ class _Builder:
         regions = []
         for cid, n in st.plan:
             c = sp.cands[cid]
-            regions.append(Region(sp.dg.components[c.comp].name, n, len(c.ops),
+            name = tiles_name(c.tiles) if c.tiles else sp.dg.components[c.comp].name
+            regions.append(Region(name, n, len(c.ops),
                                   sp.base.nodes[min(c.ops)].name, c.pack, len(c.recompute)))
         remat = sorted(s.op for b in st.batches if b.kind == "remat" for s in b.specs)
         swaps = sorted(f"{s.producer}" + (f"[{s.out}]" if s.out else "")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..analysis import DGraph, apply_fission, build_ftree
+from ..analysis.spatial import spatial_candidates
 from ..analysis.ftree import add_pack_twins
 from ..distributed import DataParallel, add_buckets
 from ..ir.digest import graph_digest
@@ -160,6 +161,11 @@ class Space:
             self.dg = DGraph(self.base)
             self.cands = build_ftree(self.dg, program.hotspots(), levels=levels)
             add_pack_twins(self.dg, self.cands)
+            # inference only: image regions in tiles (Note [tiles with halos])
+            hot: dict[int, int] = {}
+            for r, size in program.hotspots().items():
+                hot[r.node] = hot.get(r.node, 0) + size
+            self.cands += spatial_candidates(self.base, hot, len(self.cands))
         self._fission: dict[tuple, Graph] = {}
         self.evaluated = 0
 

@@ -1,0 +1,413 @@
+"""Spatial fission: a region of image ops split into tiles along height (and width).
+
+Note [tiles with halos]
+A batch or channel split cuts every tensor of a region into equal slices. A
+tile of an image cannot be cut that way: a convolution's output rows read a
+window of input rows a little larger than their own (halo.py), so a region
+split along the height runs each tile on overlapping input rows, and the
+overlap grows through the chain (two 3x3 convolutions read 2 rows beyond the
+tile on each side; a max pool doubles what comes before it).
+
+So a tiled region's parts are not equal. For tile t, each region output's
+rows [t*H/n, (t+1)*H/n) are what the tile must make (every output is cut into
+n equal bands of its own height: a U-Net's levels are cut alike). Walking the
+region's ops backwards, each op's output range is the hull of the rows its
+readers in the region need (``Window.need``) and, for a region output, its
+band; each op then runs on exactly the input rows its range needs. Input rows
+beyond the image are the op's own padding, which the tile adds with
+``constant_pad_nd`` (the op runs with padding 0 there, so the first and last
+tiles pad and the inner ones do not). Upsampling and transposed convolutions
+make a few rows more than asked; the tile narrows them away. Region outputs are
+written into full-size tensors at their bands. Width tiles work the same way,
+and a 2-D split runs n x n tiles.
+
+The redundant rows are real work: the programs count them (each tile's ops
+have the tile's shapes, so the latency model prices the halo), and so does
+the memory model. Tiles are not looped in the generated code: their slice
+offsets and paddings differ.
+
+Only regions without a backward are offered (inference, `mode="infer"`): the
+backward of a windowed op (transposed windows for the input gradient, sums
+over tiles for the weight gradient) has no rules yet. Random numbers and a
+max pool's indices read later are barriers.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from itertools import product
+
+import torch
+
+from ..ir.graph import Graph, Node, Ref, Region, TensorInfo, iter_refs, map_refs
+from .ftrans import reentered, region_outputs, weak_pieces
+from .halo import SPATIAL, Window, window
+from .dims_base import Bound
+from .proto import External, ProtoBuilder
+
+aten = torch.ops.aten
+DIM_NAMES = {2: "height", 3: "width"}
+MAX_TILES = {1: 16, 2: 8}          # parts per split dim, by how many dims are split
+
+
+def tiles_name(dims) -> str:
+    return "×".join(DIM_NAMES[d] for d in dims)
+
+
+@dataclass
+class Tiling:
+    """The windows of a candidate region's ops along each split dim."""
+    ops: frozenset[int]
+    dims: tuple[int, ...]
+    wins: dict[int, dict[int, Window]]        # op -> dim -> window
+    outputs: list[Ref]
+
+
+def _shapes(g: Graph, node: Node):
+    ins = [g.tensor(r).shape for r in iter_refs((node.args, node.kwargs))]
+    outs = [None if t is None else t.shape for t in node.outputs]
+    return ins, outs
+
+
+def op_windows(g: Graph, v: int, dims, readers=None) -> dict[int, Window] | None:
+    node = g.nodes[v]
+    if node.kind != "op" or not node.outputs or node.outputs[0] is None:
+        return None
+    readers = g.readers() if readers is None else readers
+    idx_read = len(node.outputs) > 1 and node.outputs[1] is not None \
+        and bool(readers.get(Ref(v, 1)))
+    ins, outs = _shapes(g, node)
+    got = {}
+    for d in dims:
+        w = window(node, ins, outs, d, idx_read)
+        if w is None:
+            return None
+        got[d] = w
+    return got
+
+
+def tiling(g: Graph, ops, dims) -> Tiling | str:
+    """The region's windows, or why it cannot be tiled along ``dims``."""
+    ops = frozenset(ops)
+    if not ops:
+        return "empty region"
+    if weak_pieces(g, ops).__len__() != 1:
+        return "not weakly connected"
+    if reentered(g, ops):
+        return "not convex"
+    rd = g.readers()
+    wins = {}
+    for v in ops:
+        w = op_windows(g, v, dims, rd)
+        if w is None:
+            return f"{g.nodes[v].name} has no window rule along {tiles_name(dims)}"
+        wins[v] = w
+    for v in ops:
+        node = g.nodes[v]
+        for j, r in enumerate(iter_refs((node.args, node.kwargs))):
+            if r.node in ops and (r.out != 0 or any(j not in wins[v][d].inputs for d in dims)):
+                return f"{node.name} reads a tensor of the region whole"
+            if r.node not in ops and all(j in wins[v][d].inputs for d in dims) \
+                    and len(g.tensor(r).shape) != 4:
+                return f"{node.name} reads a windowed input that is not NCHW"
+    outs = region_outputs(g, ops)
+    for r in outs:
+        if r.out != 0:
+            return f"{g.nodes[r.node].name}'s output {r.out} leaves the region"
+        if g.tensor(r).alias is not None:
+            return f"{g.nodes[r.node].name}'s output is a view"
+    return Tiling(ops, tuple(dims), wins, outs)
+
+
+def max_tiles(g: Graph, t: Tiling) -> int:
+    L = 0
+    for r in t.outputs:
+        for d in t.dims:
+            L = math.gcd(L, g.tensor(r).shape[d])
+    cap = MAX_TILES[len(t.dims)]
+    return max([k for k in range(1, cap + 1) if L % k == 0], default=1)
+
+
+def check(g: Graph, ops, dims, n: int) -> str | None:
+    t = tiling(g, ops, dims)
+    if isinstance(t, str):
+        return t
+    for r in t.outputs:
+        for d in t.dims:
+            if g.tensor(r).shape[d] % n:
+                return f"{n} does not divide {g.nodes[r.node].name}'s {DIM_NAMES[d]}"
+    return None
+
+
+def tile_ranges(g: Graph, t: Tiling, n: int, tile: tuple[int, ...]) -> dict[int, dict[int, tuple[int, int]]]:
+    """Each op's output rows (per split dim) that tile ``tile`` computes; ops the
+    tile does not need are absent."""
+    exact = {}
+    for r in t.outputs:
+        shape = g.tensor(r).shape
+        exact[r.node] = {d: (tile[i] * shape[d] // n, (tile[i] + 1) * shape[d] // n)
+                         for i, d in enumerate(t.dims)}
+    want: dict[int, dict[int, tuple[int, int]]] = {v: dict(e) for v, e in exact.items()}
+    out = {}
+    for v in sorted(t.ops, reverse=True):
+        rng = want.get(v)
+        if rng is None:
+            continue
+        out[v] = rng
+        node = g.nodes[v]
+        for j, r in enumerate(iter_refs((node.args, node.kwargs))):
+            if r.node not in t.ops:
+                continue
+            size = g.tensor(r).shape
+            got = want.setdefault(r.node, {})
+            for d in t.dims:
+                lo, hi = t.wins[v][d].need(*rng[d])
+                lo, hi = max(lo, 0), min(hi, size[d])
+                if d in got:
+                    lo, hi = min(lo, got[d][0]), max(hi, got[d][1])
+                got[d] = (lo, hi)
+    return out
+
+
+def _tinfo(shape, like: TensorInfo, alias=None) -> TensorInfo:
+    shape = tuple(shape)
+    item = torch.empty((), dtype=like.dtype).element_size()
+    return TensorInfo(shape, like.dtype, 0 if alias is not None else math.prod(shape) * item, alias)
+
+
+class _Tiles:
+    """Expanding one tiled region into a ProtoBuilder (Note [tiles with halos])."""
+
+    def __init__(self, b: ProtoBuilder, g: Graph, t: Tiling, n: int, rid: int):
+        self.b, self.g, self.t, self.n, self.rid = b, g, t, n, rid
+        self.ops = sorted(t.ops)
+        self.last = self.ops[-1]
+        self.count = n ** len(t.dims)
+        self.seq = 0
+        self.meta: dict = {}
+
+    def key(self, phase: int, k: int) -> tuple:
+        self.seq += 1
+        return (self.last, phase, k, self.seq)
+
+    def add(self, target, op, args, kwargs, outs, k, name, cat, deps=()):
+        return self.b.op(target, op, args, kwargs, outs, self.key(1, k), name, cat,
+                         Region(self.rid, k, self.count, 0), deps)
+
+    def narrow(self, src, like: TensorInfo, shape, d, start, length, k, name, cat):
+        if start == 0 and length == shape[d]:
+            return src, shape
+        shape = list(shape)
+        shape[d] = length
+        nid = self.add("aten.narrow.default", aten.narrow.default, [src, d, start, length], {},
+                       [_tinfo(shape, like, alias=src)], k, name, cat)
+        return Ref(nid, 0), tuple(shape)
+
+    def part_shapes(self, node: Node, args, kwargs):
+        """The op's output shapes on the part's inputs (run on the meta device)."""
+        refs = iter_refs((args, kwargs))
+        specs = [(self.shape_of(r), self.g.tensor(Ref(r.node, r.out)).dtype
+                  if isinstance(r, External) else self.b.nodes[r.node].outputs[r.out].dtype)
+                 for r in refs]
+        key = (node.id, tuple(specs), repr(args), repr(kwargs))
+        got = self.meta.get(key)
+        if got is None:
+            mk = lambda r, k: torch.empty(specs[k][0], dtype=specs[k][1], device="meta")  # noqa: E731
+            ctr = [0]
+            res = node.op(*map_refs(tuple(args), mk, ctr), **map_refs(dict(kwargs), mk, ctr))
+            res = res if isinstance(res, (tuple, list)) else (res,)
+            got = self.meta[key] = [tuple(x.shape) if isinstance(x, torch.Tensor) else None
+                                    for x in res]
+        return got
+
+    def shape_of(self, r: Ref) -> tuple:
+        if isinstance(r, External):
+            return tuple(self.g.tensor(Ref(r.node, r.out)).shape)
+        return tuple(self.b.nodes[r.node].outputs[r.out].shape)
+
+    def allocate(self, r: Ref) -> int:
+        t, node = self.g.tensor(r), self.g.nodes[r.node]
+        kw = {"dtype": t.dtype, "layout": torch.strided, "device": torch.device("cpu"),
+              "pin_memory": False}
+        return self.b.op("aten.empty.memory_format", aten.empty.memory_format, [list(t.shape)], kw,
+                         [_tinfo(t.shape, t)], self.key(0, 0), node.name + "_full", node.category)
+
+    def run_tile(self, k: int, tile: tuple[int, ...], dest: dict[Ref, int],
+                 writes: dict[Ref, list[int]]) -> None:
+        g, t = self.g, self.t
+        rng = tile_ranges(g, t, self.n, tile)
+        made: dict[int, Ref] = {}           # op -> its tile output 0 (rows rng[op])
+        sliced: dict[tuple, Ref] = {}       # (region input, rows) -> its slice
+        for v in self.ops:
+            if v not in rng:
+                continue
+            node = g.nodes[v]
+            refs = iter_refs((node.args, node.kwargs))
+            new_refs = []
+            lo_fed = {}
+            for j, r in enumerate(refs):
+                windowed = all(j in t.wins[v][d].inputs for d in t.dims)
+                if not windowed:
+                    new_refs.append(External(r.node, r.out))
+                    continue
+                full = g.tensor(r).shape
+                need = {d: t.wins[v][d].need(*rng[v][d]) for d in t.dims}
+                clip = {d: (max(lo, 0), min(hi, full[d])) for d, (lo, hi) in need.items()}
+                if r.node in t.ops:
+                    src, shape = made[r.node], self.shape_of(made[r.node])
+                    for d in t.dims:
+                        src, shape = self.narrow(src, g.tensor(r), shape, d,
+                                                 clip[d][0] - rng[r.node][d][0],
+                                                 clip[d][1] - clip[d][0], k,
+                                                 f"{node.name}_h{k}", node.category)
+                else:
+                    sk = (r, tuple(sorted(clip.items())))
+                    if sk not in sliced:
+                        src, shape = External(r.node, r.out), tuple(full)
+                        for d in t.dims:
+                            src, shape = self.narrow(src, g.tensor(r), shape, d, clip[d][0],
+                                                     clip[d][1] - clip[d][0], k,
+                                                     f"{g.nodes[r.node].name}_t{k}",
+                                                     g.nodes[r.node].category)
+                        sliced[sk] = src
+                    src = sliced[sk]
+                    shape = self.shape_of(src)
+                pads = {d: (clip[d][0] - need[d][0], need[d][1] - clip[d][1]) for d in t.dims}
+                w0 = t.wins[v][t.dims[0]]
+                if any(pads[d] != (0, 0) for d in t.dims):
+                    flat = []
+                    for d in (3, 2):
+                        flat += list(pads.get(d, (0, 0)))
+                    shape = tuple(s + sum(pads.get(d, (0, 0))) for d, s in enumerate(shape))
+                    pid = self.add("aten.constant_pad_nd.default", aten.constant_pad_nd.default,
+                                   [src, flat, w0.pad], {}, [_tinfo(shape, g.tensor(r))], k,
+                                   f"{node.name}_pad{k}", node.category)
+                    src = Ref(pid, 0)
+                elif w0.dense and self.is_view(src):
+                    cid = self.add("aten.clone.default", aten.clone.default, [src],
+                                   {"memory_format": torch.contiguous_format},
+                                   [_tinfo(shape, g.tensor(r))], k, f"{node.name}_d{k}",
+                                   node.category)
+                    src = Ref(cid, 0)
+                lo_fed[j] = {d: need[d][0] for d in t.dims}   # padding rows included
+                new_refs.append(src)
+            size = {d: None for d in t.dims}
+            for j in lo_fed:
+                for d in t.dims:
+                    size[d] = self.shape_of(new_refs[j])[d]
+            args, kwargs = self.edited(node, size)
+            it = iter(new_refs)
+            ctr = [0]
+            args = map_refs(tuple(args), lambda r, _k: next(it), ctr)
+            kwargs = map_refs(dict(kwargs), lambda r, _k: next(it), ctr)
+            shapes = self.part_shapes(node, args, kwargs)
+            outs = [None if tt is None or s is None else _tinfo(s, tt)
+                    for tt, s in zip(node.outputs, shapes)]
+            nid = self.add(node.target, node.op, args, kwargs, outs, k,
+                           f"{node.name}_t{k}", node.category)
+            self.b.nodes[nid].multi = node.multi
+            out, shape = Ref(nid, 0), shapes[0]
+            j0 = next(iter(lo_fed))
+            for d in t.dims:
+                first = t.wins[v][d].origin(lo_fed[j0][d])
+                a, e = rng[v][d]
+                out, shape = self.narrow(out, node.outputs[0], shape, d, a - first, e - a, k,
+                                         f"{node.name}_o{k}", node.category)
+            made[v] = out
+        for r in t.outputs:
+            full = g.tensor(r)
+            src, shape = made[r.node], self.shape_of(made[r.node])
+            dst, dshape = Ref(dest[r], 0), tuple(full.shape)
+            nm, cat = g.nodes[r.node].name, g.nodes[r.node].category
+            for i, d in enumerate(t.dims):
+                a = tile[i] * full.shape[d] // self.n
+                e = (tile[i] + 1) * full.shape[d] // self.n
+                src, shape = self.narrow(src, full, shape, d, a - rng[r.node][d][0], e - a, k,
+                                         f"{nm}_x{k}", cat)
+                dst, dshape = self.narrow(dst, full, dshape, d, a, e - a, k, f"{nm}_w{k}", cat)
+            writes[r].append(self.add("aten.copy_.default", aten.copy_.default, [dst, src], {},
+                                      [_tinfo(dshape, full, alias=dst)], k, f"{nm}_c{k}", cat))
+
+    def is_view(self, r: Ref) -> bool:
+        if isinstance(r, External):
+            return False
+        return self.b.nodes[r.node].outputs[r.out].alias is not None
+
+    def edited(self, node: Node, size: dict) -> tuple[tuple, dict]:
+        """The op's arguments with every split dim's edits (``Window.edits``)."""
+        b = Bound(node)
+        new = {}
+        for d in self.t.dims:
+            for name, i, val in self.t.wins[node.id][d].edits(size[d]):
+                cur = new.get(name, b[name])
+                if i is None:
+                    new[name] = val
+                else:
+                    cur = [cur] if isinstance(cur, int) else list(cur)
+                    if len(cur) == 1:
+                        cur = cur * 2
+                    cur[i] = val
+                    new[name] = cur
+        return b.replace(**new)
+
+
+def expand_tiles(b: ProtoBuilder, g: Graph, ops, dims, n: int, rid: int, joined: dict) -> None:
+    """Add the tiled region's parts to ``b``; its outputs' full results go into ``joined``."""
+    from .apply import _order_after
+    t = tiling(g, ops, dims)
+    if isinstance(t, str):
+        raise ValueError(f"invalid tiled region: {t}")
+    x = _Tiles(b, g, t, n, rid)
+    dest = {r: x.allocate(r) for r in t.outputs}
+    writes: dict[Ref, list[int]] = {r: [] for r in t.outputs}
+    prev = None
+    for k, tile in enumerate(product(range(n), repeat=len(dims))):
+        first = len(b.nodes)
+        x.run_tile(k, tile, dest, writes)
+        if prev is not None:
+            _order_after(b, first, prev)
+        prev = len(b.nodes) - 1
+    for r in t.outputs:
+        tt, node = g.tensor(r), g.nodes[r.node]
+        j = b.op("aten.alias.default", aten.alias.default, [Ref(dest[r], 0)], {},
+                 [_tinfo(tt.shape, tt, alias=Ref(dest[r], 0))], x.key(2, 0), node.name,
+                 node.category, deps=writes[r])
+        joined[r] = Ref(j, 0)
+
+
+def spatial_candidates(g: Graph, hot_by_op: dict[int, int], start: int) -> list:
+    """F-Tree candidates that tile image regions (Note [tiles with halos]): every
+    maximal convex, connected set of ops with window rules, split along the
+    height alone and along height and width. None for a graph with a backward."""
+    from .ftree import Candidate
+    ops = [n.id for n in g.ops]
+    if not ops or any(role and role[0] == "loss" for role in g.output_roles):
+        return []
+    rd = g.readers()
+    able = {v for v in ops if op_windows(g, v, SPATIAL, rd) is not None}
+    # linked: a reader of a windowed op's output 0 that windows it too
+    linked = set()
+    for v in able:
+        node = g.nodes[v]
+        for j, r in enumerate(iter_refs((node.args, node.kwargs))):
+            if r.node in able and r.out == 0:
+                linked |= {v, r.node}
+    out = []
+    for piece in weak_pieces(g, linked):
+        region = frozenset(piece - reentered(g, piece))
+        for sub in weak_pieces(g, region):
+            sub = frozenset(sub)
+            if len(sub) < 2:
+                continue
+            for dims in ((2,), (2, 3)):
+                t = tiling(g, sub, dims)
+                if isinstance(t, str):
+                    continue
+                top = max_tiles(g, t)
+                if top < 2:
+                    continue
+                heat = sum(hot_by_op.get(v, 0) for v in sub)
+                c = Candidate(start + len(out), sub, -1, min(sub), 1, 0.5 * heat, heat, top,
+                              tiles=dims)
+                out.append(c)
+    return out
