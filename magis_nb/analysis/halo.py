@@ -71,8 +71,11 @@ def _conv(node: Node, b: Bound, ins, outs, d: int) -> Window | None:
         return None
 
     def need_t(a, e):
-        lo = -((-(a + p - reach)) // s)            # ceil
-        hi = (e - 1 + p) // s + 1
+        # the inputs that reach rows [a, e), and enough of them that the rows
+        # made run from at most a to at least e (a row no input reaches, when
+        # the stride exceeds the kernel, is the bias alone)
+        lo = min(-((-(a + p - reach)) // s), (a + p) // s)
+        hi = max((e - 1 + p) // s + 1, -((-(e + p - reach - 1)) // s) + 1)
         return max(lo, 0), min(hi, H_in)
 
     return Window((x,), need_t, lambda lo: lo * s - p, lambda size: [("padding", i, 0)])

@@ -1,0 +1,167 @@
+"""Spatial fission: image regions run in tiles with halos (Note [tiles with halos]
+in analysis/spatial.py). Every tiled program runs against eager PyTorch
+(allclose) with its measured peak equal to the simulated one, on random
+convolution/pool/upsample chains and on the zoo's U-Net."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from magis_nb.analysis import DGraph, apply_fission
+from magis_nb.analysis.halo import window
+from magis_nb.analysis.spatial import check, spatial_candidates, tiling
+from magis_nb.program import trace
+from magis_nb.verify import Reference
+from magis_nb.zoo.unet import UNet
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+
+
+def tiled_runs(model, x, max_n=4):
+    """Every spatial candidate of ``model``'s inference at every n <= max_n:
+    (dims, n, measured peak, simulated peak). Asserts allclose and peaks equal."""
+    prog = trace(model, (x,), mode="infer")
+    dg = DGraph(prog.graph)
+    ref = Reference(model, (x,), None, "infer", 0)
+    got = []
+    for c in spatial_candidates(prog.graph, {}, 0):
+        for n in range(2, max_n + 1):
+            if c.max_n % n:
+                continue
+            split = prog.with_graph(apply_fission(dg, [c.ftrans(n)]))
+            chk = ref.check(split.module())
+            assert chk.comparison.allclose, (c.tiles, n, chk.comparison.mismatches)
+            assert chk.measured_peak == split.simulate().peak, (c.tiles, n)
+            got.append((c.tiles, n, chk.measured_peak, split.simulate().peak))
+    return got
+
+
+class Chain(nn.Module):
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x):
+        for m in self.layers:
+            x = torch.relu(m(x)) if isinstance(m, nn.Conv2d) else m(x)
+        return x
+
+
+@st.composite
+def layer(draw, ch):
+    kind = draw(st.sampled_from(["conv", "conv", "tconv", "max", "avg", "nearest", "bilinear"]))
+    if kind == "conv":
+        k = draw(st.integers(1, 5))
+        groups = draw(st.sampled_from([1, ch]))
+        return nn.Conv2d(ch, ch, k, stride=draw(st.integers(1, 2)), padding=draw(st.integers(0, 3)),
+                         dilation=draw(st.integers(1, 2)), groups=groups,
+                         bias=draw(st.booleans()))
+    if kind == "tconv":
+        k = draw(st.integers(1, 4))
+        return nn.ConvTranspose2d(ch, ch, k, stride=draw(st.integers(1, 3)),
+                                  padding=draw(st.integers(0, (k - 1) // 2)),
+                                  dilation=draw(st.integers(1, 2)))
+    if kind == "max":
+        k = draw(st.integers(2, 3))
+        return nn.MaxPool2d(k, stride=draw(st.integers(1, 2)), padding=draw(st.integers(0, k // 2)),
+                            dilation=draw(st.integers(1, 2)), ceil_mode=draw(st.booleans()))
+    if kind == "avg":
+        k = draw(st.integers(2, 3))
+        return nn.AvgPool2d(k, stride=draw(st.integers(1, 2)), padding=draw(st.integers(0, k // 2)))
+    return nn.Upsample(scale_factor=2, mode=kind)
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(st.data())
+def test_random_conv_chains_in_tiles_are_exact(data):
+    """Random kernel/stride/padding/dilation/groups: each tiled chain equals eager."""
+    ch = 2
+    layers = [data.draw(layer(ch)) for _ in range(data.draw(st.integers(2, 4)))]
+    size = data.draw(st.integers(16, 28))
+    torch.manual_seed(0)
+    model = Chain(layers).eval()
+    x = torch.randn(1, ch, size, size + data.draw(st.integers(0, 6)))
+    try:
+        with torch.no_grad():
+            model(x)
+    except RuntimeError:
+        assume(False)               # the image shrank to nothing: not a valid chain
+    assume(tiled_runs(model, x, max_n=3))   # some tiling (n divides the output)
+
+
+class Skips(nn.Module):
+    """Two scales joined by a channel concat and an add, with batch norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.b = nn.Conv2d(4, 4, 3, padding=1)
+        self.up = nn.ConvTranspose2d(4, 4, 2, stride=2)
+        self.c = nn.Conv2d(8, 2, 3, padding=2, dilation=2)
+
+    def forward(self, x):
+        a = F.relu(self.bn(self.a(x)))
+        b = self.b(F.max_pool2d(a, 2))
+        u = self.up(b) + a
+        return self.c(torch.cat([a, u], 1)) * 0.5
+
+
+def test_skip_connections_and_eval_batch_norm_in_tiles():
+    torch.manual_seed(0)
+    model = Skips().eval()
+    with torch.no_grad():
+        model.bn.running_mean.normal_()
+        model.bn.running_var.uniform_(0.5, 2)
+    got = tiled_runs(model, torch.randn(2, 3, 24, 32))
+    assert {(dims, n) for dims, n, *_ in got} >= {((2,), 2), ((2, 3), 2), ((2,), 4), ((2, 3), 4)}
+
+
+def test_unet_inference_in_tiles_is_exact_and_lowers_the_peak():
+    """Tiles of the whole U-Net (every level, skips included) at 128 px. A 2x2
+    tiling already halves the peak here."""
+    torch.manual_seed(0)
+    model = UNet(4, 3, 2).eval()
+    x = torch.randn(1, 3, 128, 128)
+    base = trace(model, (x,), mode="infer").simulate().peak
+    got = tiled_runs(model, x, max_n=2)
+    assert got and min(sim for *_, sim in got) < 0.75 * base
+
+
+def test_no_tiles_for_a_training_step_or_a_read_pool_index():
+    torch.manual_seed(0)
+    model = Chain([nn.Conv2d(2, 2, 3, padding=1), nn.Conv2d(2, 2, 3, padding=1)])
+    x = torch.randn(1, 2, 16, 16)
+    train = trace(model, (x, torch.randn(1, 2, 16, 16)), loss_fn=F.mse_loss)
+    assert spatial_candidates(train.graph, {}, 0) == []     # no backward rules yet
+
+    class Unpool(nn.Module):
+        def forward(self, x):
+            y, i = F.max_pool2d(x, 2, return_indices=True)
+            return F.max_unpool2d(F.relu(y), i, 2)
+    g = trace(Unpool(), (x,), mode="infer").graph
+    pool = next(n for n in g.ops if n.target.startswith("aten.max_pool2d"))
+    assert window(pool, [(1, 2, 16, 16)], [(1, 2, 8, 8), (1, 2, 8, 8)], 2, indices_read=True) is None
+    for c in spatial_candidates(g, {}, 0):
+        assert pool.id not in c.ops
+
+
+def test_barriers_and_reasons():
+    torch.manual_seed(0)
+    model = Chain([nn.Conv2d(2, 2, 3, padding=1), nn.AvgPool2d(2, ceil_mode=True),
+                   nn.Conv2d(2, 2, 3, padding=1)]).eval()
+    prog = trace(model, (torch.randn(1, 2, 16, 15),), mode="infer")
+    g = prog.graph
+    ops = frozenset(n.id for n in g.ops)
+    why = tiling(g, ops, (2,))
+    assert isinstance(why, str) and "avg_pool2d" in why
+    conv = frozenset(n.id for n in g.ops if n.id < min(v for v in ops
+                                                        if "avg" in g.nodes[v].target))
+    assert check(g, conv, (2,), 2) is None
+    assert "does not divide" in check(g, conv, (2,), 3)
+    assert "does not divide" in check(g, conv, (2, 3), 2)       # the width is 15
