@@ -301,8 +301,12 @@ class _Tiles:
             args = map_refs(tuple(args), lambda r, _k: next(it), ctr)
             kwargs = map_refs(dict(kwargs), lambda r, _k: next(it), ctr)
             shapes = self.part_shapes(node, args, kwargs)
-            outs = [None if tt is None or s is None else _tinfo(s, tt)
-                    for tt, s in zip(node.outputs, shapes)]
+            # an extra output that is not an image (eval batch norm's saved
+            # statistics: empty on the CPU, per channel on the meta device) is
+            # the whole op's; a max pool's indices are the tile's
+            outs = [None if tt is None or s is None else
+                    tt if i and len(tt.shape) != 4 else _tinfo(s, tt)
+                    for i, (tt, s) in enumerate(zip(node.outputs, shapes))]
             nid = self.add(node.target, node.op, args, kwargs, outs, k,
                            f"{node.name}_t{k}", node.category)
             self.b.nodes[nid].multi = node.multi
@@ -407,7 +411,9 @@ def spatial_candidates(g: Graph, hot_by_op: dict[int, int], start: int) -> list:
                 if top < 2:
                     continue
                 heat = sum(hot_by_op.get(v, 0) for v in sub)
-                c = Candidate(start + len(out), sub, -1, min(sub), 1, 0.5 * heat, heat, top,
+                # eq. 4's gain at the least split: 2 parts along each dim
+                score = (1 - 1 / 2 ** len(dims)) * heat
+                c = Candidate(start + len(out), sub, -1, min(sub), 1, score, heat, top,
                               tiles=dims)
                 out.append(c)
     return out

@@ -14,6 +14,7 @@ COMMANDS = {
     "overhead": "the generated program against PyTorch before any rewrite (time ratio, ops)",
     "corpus": "real architectures (HF transformers, torch.nn), small and random: optimize, check, peaks",
     "longctx": "causal LMs at 1-8x the sequence length in eager's memory at 1x, against peers",
+    "tiles": "U-Net inference on a large image, planned into tiles with halos (CPU)",
     "ddp": "data parallel (2 gloo ranks): magis_nb's bucketed plans against DDP eager",
     "gpu": "the one-shot GPU check: GPU tests, simcheck, eager vs plans, hidden transfers",
 }

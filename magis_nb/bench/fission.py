@@ -2,7 +2,11 @@
 every candidate split at n=2 and at its largest n, each simulated, measured (CPU
 storage tracker) and held against eager PyTorch (fp32, rtol 1e-4, atol 1e-5; a
 split that misses that tolerance is re-checked in float64, rtol 1e-7, to tell a
-wrong program from amplified fp32 rounding: column fp64)."""
+wrong program from amplified fp32 rounding: column fp64).
+
+``--infer``: each model's inference in eval mode instead (``mode="infer"``, the
+target left out), whose candidates include the image regions tiled along height
+and along height and width (Note [tiles with halos] in analysis/spatial.py)."""
 from __future__ import annotations
 
 import time
@@ -10,6 +14,7 @@ from collections import Counter
 
 from .. import zoo
 from ..analysis import DGraph, FTrans, apply_fission, build_ftree
+from ..analysis.spatial import spatial_candidates, tiles_name
 from ..program import trace
 from ..verify import Reference
 from .common import fixed_threads, parser, table, write_json
@@ -39,12 +44,23 @@ def _fp64_checker(name: str, prog, seed: int):
 
 
 def fission_rows(name: str, *, max_candidates: int | None = None, ns=("2", "max"),
-                 seed: int = 0) -> tuple[dict, list[dict]]:
+                 seed: int = 0, infer: bool = False) -> tuple[dict, list[dict]]:
     case = zoo.build(name, "tiny", seed=seed)
-    prog = trace(case.model, case.inputs, loss_fn=case.loss_fn)
+    mode, inputs, loss_fn = "train", case.inputs, case.loss_fn
+    if infer:
+        case.model.eval()
+        mode, loss_fn = "infer", None
+        inputs = case.inputs[:-1] if case.loss_fn is not None else case.inputs
+    prog = trace(case.model, inputs, loss_fn=loss_fn, mode=mode)
     dg = DGraph(prog.graph)
-    cands = build_ftree(dg, prog.hotspots())
-    ref = Reference(case.model, case.inputs, case.loss_fn, "train", seed)
+    hot = prog.hotspots()
+    cands = build_ftree(dg, hot)
+    if infer:
+        by_op: dict[int, int] = {}
+        for r, size in hot.items():
+            by_op[r.node] = by_op.get(r.node, 0) + size
+        cands += spatial_candidates(prog.graph, by_op, len(cands))
+    ref = Reference(case.model, inputs, loss_fn, mode, seed)
     base = ref.check(prog.module())
     info = {"model": name, "components": len(dg.components),
             "dims": [f"{c.name}:{len(c.axis_of)}" for c in dg.components[:6]],
@@ -60,13 +76,13 @@ def fission_rows(name: str, *, max_candidates: int | None = None, ns=("2", "max"
             p2 = prog.with_graph(apply_fission(dg, [c.ftrans(n)]))
             sim = p2.simulate().peak
             chk = ref.check(p2.module())
-            comp = dg.components[c.comp]
             exact64 = None
-            if not chk.comparison.allclose:
+            if not chk.comparison.allclose and not infer:
                 fp64 = fp64 or _fp64_checker(name, prog, seed)
                 exact64 = fp64(c.ops, c.comp, n) if fp64 else None
             rows.append({
-                "model": name, "candidate": c.id, "level": c.level, "dim": comp.name,
+                "model": name, "candidate": c.id, "level": c.level,
+                "dim": tiles_name(c.tiles) if c.tiles else dg.components[c.comp].name,
                 "ops": len(c.ops), "n": n, "sim_peak": sim, "measured_peak": chk.measured_peak,
                 "baseline_measured_peak": base.measured_peak,
                 "rel_error": abs(sim - chk.measured_peak) / chk.measured_peak,
@@ -80,11 +96,13 @@ def main(argv) -> int:
     p = parser("fission", __doc__)
     p.add_argument("--models", default=",".join(zoo.names("tiny")))
     p.add_argument("--max-candidates", type=int, default=None)
+    p.add_argument("--infer", action="store_true",
+                   help="inference in eval mode (spatial tiles among the candidates)")
     a = p.parse_args(argv)
     fixed_threads()
     all_rows, infos = [], []
     for name in a.models.split(","):
-        info, rows = fission_rows(name, max_candidates=a.max_candidates)
+        info, rows = fission_rows(name, max_candidates=a.max_candidates, infer=a.infer)
         infos.append(info)
         all_rows += rows
         print(f"{name}: {info['components']} D components (largest: {', '.join(info['dims'])}); "
