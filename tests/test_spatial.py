@@ -53,7 +53,11 @@ class Chain(nn.Module):
 
 @st.composite
 def layer(draw, ch):
-    kind = draw(st.sampled_from(["conv", "conv", "tconv", "max", "avg", "nearest", "bilinear"]))
+    kind = draw(st.sampled_from(["conv", "conv", "tconv", "max", "avg", "nearest", "bilinear",
+                                 "pad"]))
+    if kind == "pad":                # F.pad, TF "same" padding; negative pads crop
+        return nn.ConstantPad2d(tuple(draw(st.integers(-1, 2)) for _ in range(4)),
+                                draw(st.sampled_from([0.0, 1.5])))
     if kind == "conv":
         k = draw(st.integers(1, 5))
         groups = draw(st.sampled_from([1, ch]))
@@ -165,3 +169,24 @@ def test_barriers_and_reasons():
     assert check(g, conv, (2,), 2) is None
     assert "does not divide" in check(g, conv, (2,), 3)
     assert "does not divide" in check(g, conv, (2, 3), 2)       # the width is 15
+
+
+def test_transformers_mobilenet_inference_in_tiles():
+    """A real model as its users build it: Hugging Face's MobileNetV2 (TF-style
+    "same" padding by F.pad, depthwise convolutions, ReLU6), one region of
+    every op up to the classifier's pooling, in tiles."""
+    from magis_nb.bench.corpus_models import MODELS
+
+    torch.manual_seed(0)
+    case = MODELS["mobilenet-v2"][1]()
+
+    class Logits(nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, x):
+            return self.m(pixel_values=x).logits
+    model = Logits(case.model.eval())
+    got = tiled_runs(model, case.inputs["pixel_values"][:2], max_n=2)
+    assert got

@@ -145,6 +145,22 @@ def _upsample(node: Node, b: Bound, ins, outs, d: int) -> Window | None:
     return Window((x,), need, lambda lo: lo * s, edits)
 
 
+def _pad(node: Node, b: Bound, ins, outs, d: int) -> Window | None:
+    """An explicit ``F.pad`` (constant; a negative pad crops): output row r is
+    input row r - top, and rows outside the input are the pad value."""
+    pad = list(b["pad"])
+    x = b.t("self")
+    if len(ins[x]) != 4 or len(pad) % 2:
+        return None
+    at = 2 * (3 - d)                 # pad lists the last dim first: [left, right, top, bottom]
+    if at >= len(pad):               # this dim is not padded
+        return Window((x,), lambda a, e: (a, e), lambda lo: lo, lambda size: [], dense=False)
+    top = pad[at]
+    return Window((x,), lambda a, e: (a - top, e - top), lambda lo: lo + top,
+                  lambda size: [("pad", at, 0), ("pad", at + 1, 0)], float(b["value"] or 0.0),
+                  dense=False)
+
+
 def _same(node: Node, b: Bound, ins, outs, d: int, only=None) -> Window | None:
     """Output row r reads row r of every input as large as the output there
     (broadcast inputs are read whole)."""
@@ -195,6 +211,7 @@ RULES: dict[str, Callable] = {
     "aten.upsample_bilinear2d.default": _upsample,
     "aten.upsample_bilinear2d.vec": _upsample,
     "aten._native_batch_norm_legit_no_training.default": _batch_norm_eval,
+    "aten.constant_pad_nd.default": _pad,
     "aten.cat.default": _cat,
     **{t: _same for t in ELEMENTWISE},
 }
