@@ -98,6 +98,18 @@ def test_random_conv_chains_in_tiles_are_exact(data):
     assume(tiled_runs(model, x, max_n=3))   # some tiling (n divides the output)
 
 
+@pytest.mark.parametrize("layers,size", [
+    ([nn.Conv2d(2, 2, 1, stride=2), nn.Conv2d(2, 2, 1, stride=2), nn.Conv2d(2, 2, 1, stride=2, padding=3)], 17),
+    ([nn.MaxPool2d(2), nn.MaxPool2d(2), nn.Conv2d(2, 2, 1, stride=2, padding=1)], 16),
+])
+def test_a_tile_whose_window_is_padding_alone(layers, size):
+    """A 1x1 convolution with padding 3: its first output rows read nothing but
+    padding, so the tile makes those rows itself and asks nothing of the layers
+    before (found by the random chains above)."""
+    torch.manual_seed(0)
+    assert tiled_runs(Chain(layers).eval(), torch.randn(1, 2, size, size), max_n=3)
+
+
 class Skips(nn.Module):
     """Two scales joined by a channel concat and an add, with batch norm."""
 

@@ -158,14 +158,25 @@ def tile_ranges(g: Graph, t: Tiling, n: int, tile: tuple[int, ...]) -> dict[int,
         for j, r in enumerate(iter_refs((node.args, node.kwargs))):
             if r.node not in t.ops:
                 continue
-            size = g.tensor(r).shape
+            rows = _inside(t.wins[v], rng, g.tensor(r).shape)
+            if rows is None:
+                continue        # the reader's window is padding alone here
             got = want.setdefault(r.node, {})
-            for d in t.dims:
-                lo, hi = t.wins[v][d].need(*rng[d])
-                lo, hi = max(lo, 0), min(hi, size[d])
-                if d in got:
-                    lo, hi = min(lo, got[d][0]), max(hi, got[d][1])
-                got[d] = (lo, hi)
+            for d, (lo, hi) in rows.items():
+                got[d] = (min(lo, got[d][0]), max(hi, got[d][1])) if d in got else (lo, hi)
+    return out
+
+
+def _inside(wins: dict[int, Window], rng: dict, size) -> dict | None:
+    """The input rows (per split dim) a reader's window needs inside the input;
+    None when along some dim it needs padding rows alone."""
+    out = {}
+    for d, w in wins.items():
+        lo, hi = w.need(*rng[d])
+        lo, hi = max(lo, 0), min(hi, size[d])
+        if hi <= lo:
+            return None
+        out[d] = (lo, hi)
     return out
 
 
@@ -252,7 +263,20 @@ class _Tiles:
                     continue
                 full = g.tensor(r).shape
                 need = {d: t.wins[v][d].need(*rng[v][d]) for d in t.dims}
-                clip = {d: (max(lo, 0), min(hi, full[d])) for d, (lo, hi) in need.items()}
+                clip = _inside(t.wins[v], rng[v], full)
+                w0 = t.wins[v][t.dims[0]]
+                if clip is None:
+                    # nothing but padding rows: the tile makes them (a conv's
+                    # first output row may read only its top padding)
+                    shape = [need[d][1] - need[d][0] if d in need else s for d, s in enumerate(full)]
+                    tt = g.tensor(r)
+                    fid = self.add("aten.full.default", aten.full.default, [shape, w0.pad],
+                                   {"dtype": tt.dtype, "layout": torch.strided,
+                                    "device": torch.device("cpu"), "pin_memory": False},
+                                   [_tinfo(shape, tt)], k, f"{node.name}_pad{k}", node.category)
+                    lo_fed[j] = {d: need[d][0] for d in t.dims}
+                    new_refs.append(Ref(fid, 0))
+                    continue
                 if r.node in t.ops:
                     src, shape = made[r.node], self.shape_of(made[r.node])
                     for d in t.dims:
@@ -273,7 +297,6 @@ class _Tiles:
                     src = sliced[sk]
                     shape = self.shape_of(src)
                 pads = {d: (clip[d][0] - need[d][0], need[d][1] - clip[d][1]) for d in t.dims}
-                w0 = t.wins[v][t.dims[0]]
                 if any(pads[d] != (0, 0) for d in t.dims):
                     flat = []
                     for d in (3, 2):
