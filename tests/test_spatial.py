@@ -47,7 +47,7 @@ class Chain(nn.Module):
 
     def forward(self, x):
         for m in self.layers:
-            x = torch.relu(m(x)) if isinstance(m, nn.Conv2d) else m(x)
+            x = torch.relu(m(x)) if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) else m(x)
         return x
 
 
@@ -108,6 +108,52 @@ def test_a_tile_whose_window_is_padding_alone(layers, size):
     before (found by the random chains above)."""
     torch.manual_seed(0)
     assert tiled_runs(Chain(layers).eval(), torch.randn(1, 2, size, size), max_n=3)
+
+
+@st.composite
+def layer_nd(draw, ch, nd):
+    """A layer of a 1-D (NCL) or 3-D (NCDHW) chain."""
+    conv = {1: nn.Conv1d, 3: nn.Conv3d}[nd]
+    kind = draw(st.sampled_from(["conv", "conv", "tconv", "pool", "nearest", "linear", "pad"]))
+    if kind == "conv":
+        return conv(ch, ch, draw(st.integers(1, 3)), stride=draw(st.integers(1, 2)),
+                    padding=draw(st.integers(0, 2)), dilation=draw(st.integers(1, 2)),
+                    groups=draw(st.sampled_from([1, ch])))
+    if kind == "tconv":
+        k = draw(st.integers(1, 3))
+        return {1: nn.ConvTranspose1d, 3: nn.ConvTranspose3d}[nd](
+            ch, ch, k, stride=draw(st.integers(1, 2)), padding=draw(st.integers(0, (k - 1) // 2)))
+    if kind == "pool":
+        if nd == 1:
+            return nn.AvgPool1d(2, padding=draw(st.integers(0, 1)))
+        pool = draw(st.sampled_from([nn.MaxPool3d, nn.AvgPool3d]))
+        return pool(2, stride=draw(st.integers(1, 2)), padding=draw(st.integers(0, 1)))
+    if kind == "pad":
+        pad = {1: nn.ConstantPad1d, 3: nn.ConstantPad3d}[nd]
+        return pad(tuple(draw(st.integers(-1, 2)) for _ in range(2 * nd)), 0.5)
+    mode = "nearest" if kind == "nearest" else {1: "linear", 3: "trilinear"}[nd]
+    return nn.Upsample(scale_factor=2, mode=mode)
+
+
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(st.data())
+def test_random_1d_and_3d_chains_in_tiles_are_exact(data):
+    """Audio-like NCL and volume NCDHW chains split along length, or along
+    depth and along depth, height and width."""
+    nd = data.draw(st.sampled_from([1, 3]))
+    ch = 2
+    layers = [data.draw(layer_nd(ch, nd)) for _ in range(data.draw(st.integers(2, 3)))]
+    torch.manual_seed(0)
+    model = Chain(layers).eval()
+    side = data.draw(st.integers(24, 40) if nd == 1 else st.integers(8, 12))
+    x = torch.randn(1, ch, *([side] * nd))
+    try:
+        with torch.no_grad():
+            model(x)
+    except RuntimeError:
+        assume(False)
+    assume(tiled_runs(model, x, max_n=2))
 
 
 class Skips(nn.Module):

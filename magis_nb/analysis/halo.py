@@ -38,7 +38,16 @@ from typing import Callable
 from ..ir.graph import Node
 from .dims_base import Bound
 
-SPATIAL = (2, 3)          # NCHW: height and width
+
+
+def spatial_dims(rank: int) -> tuple[int, ...]:
+    """The image dims of a [N, C, *spatial] tensor with 1 to 3 spatial dims
+    (NCL, NCHW, NCDHW); () for any other rank."""
+    return tuple(range(2, rank)) if 3 <= rank <= 5 else ()
+
+
+def _image(shape, d: int) -> bool:
+    return d in spatial_dims(len(shape))
 
 
 @dataclass(frozen=True)
@@ -58,7 +67,7 @@ def _pow2(x: float) -> bool:
 def _conv(node: Node, b: Bound, ins, outs, d: int) -> Window | None:
     x = b.t("input")
     w_shape = ins[b.t("weight")]
-    if len(ins[x]) != 4:
+    if not _image(ins[x], d):
         return None
     i = d - 2
     k, s, p, dil = w_shape[d], b["stride"][i], b["padding"][i], b["dilation"][i]
@@ -83,7 +92,7 @@ def _conv(node: Node, b: Bound, ins, outs, d: int) -> Window | None:
 
 def _pool(node: Node, b: Bound, ins, outs, d: int) -> Window | None:
     x = b.t("self")
-    if len(ins[x]) != 4:
+    if not _image(ins[x], d):
         return None
     i = d - 2
     k = b["kernel_size"]
@@ -109,7 +118,7 @@ def _pool(node: Node, b: Bound, ins, outs, d: int) -> Window | None:
 
 def _upsample(node: Node, b: Bound, ins, outs, d: int) -> Window | None:
     x = b.t("input") if b.t("input") is not None else b.t("self")
-    if len(ins[x]) != 4 or outs[0] is None:
+    if not _image(ins[x], d) or outs[0] is None:
         return None
     H_in, H_out = ins[x][d], outs[0][d]
     if H_out % H_in or not _pow2(H_out // H_in):
@@ -122,14 +131,15 @@ def _upsample(node: Node, b: Bound, ins, outs, d: int) -> Window | None:
         if sf is not None and sf[i] != s:
             return None
     else:
-        sc = b["scales_h" if i == 0 else "scales_w"]
+        scale_name = _SCALES[len(ins[x]) - 2][i]
+        sc = b[scale_name]
         if sc is not None and sc != s:
             return None
-    bilinear = "bilinear" in node.target
-    if bilinear and b["align_corners"]:
+    linear = "linear" in node.target         # linear, bilinear, trilinear
+    if linear and b["align_corners"]:
         return None
 
-    if bilinear:
+    if linear:
         def need(a, e):
             lo = math.floor(max((a + 0.5) / s - 0.5, 0.0))
             hi = math.floor(max((e - 1 + 0.5) / s - 0.5, 0.0)) + 2
@@ -141,8 +151,12 @@ def _upsample(node: Node, b: Bound, ins, outs, d: int) -> Window | None:
     def edits(size):
         if vec:
             return [] if b["output_size"] is None else [("output_size", i, size * s)]
-        return [("output_size", i, size * s), ("scales_h" if i == 0 else "scales_w", None, float(s))]
+        return [("output_size", i, size * s), (scale_name, None, float(s))]
     return Window((x,), need, lambda lo: lo * s, edits)
+
+
+# the scale arguments of upsample_*{1,2,3}d, by spatial rank
+_SCALES = {1: ("scales",), 2: ("scales_h", "scales_w"), 3: ("scales_d", "scales_h", "scales_w")}
 
 
 def _pad(node: Node, b: Bound, ins, outs, d: int) -> Window | None:
@@ -150,9 +164,9 @@ def _pad(node: Node, b: Bound, ins, outs, d: int) -> Window | None:
     input row r - top, and rows outside the input are the pad value."""
     pad = list(b["pad"])
     x = b.t("self")
-    if len(ins[x]) != 4 or len(pad) % 2:
+    if not _image(ins[x], d) or len(pad) % 2:
         return None
-    at = 2 * (3 - d)                 # pad lists the last dim first: [left, right, top, bottom]
+    at = 2 * (len(ins[x]) - 1 - d)   # pad lists the last dim first: [left, right, top, bottom]
     if at >= len(pad):               # this dim is not padded
         return Window((x,), lambda a, e: (a, e), lambda lo: lo, lambda size: [], dense=False)
     top = pad[at]
@@ -165,7 +179,7 @@ def _same(node: Node, b: Bound, ins, outs, d: int, only=None) -> Window | None:
     """Output row r reads row r of every input as large as the output there
     (broadcast inputs are read whole)."""
     out = outs[0]
-    if out is None or len(out) != 4:
+    if out is None or not _image(out, d):
         return None
     r = len(out)
     tens = []
@@ -205,11 +219,12 @@ ELEMENTWISE = {
 RULES: dict[str, Callable] = {
     "aten.convolution.default": _conv,
     "aten.max_pool2d_with_indices.default": _pool,
+    "aten.max_pool3d_with_indices.default": _pool,
     "aten.avg_pool2d.default": _pool,
-    "aten.upsample_nearest2d.default": _upsample,
-    "aten.upsample_nearest2d.vec": _upsample,
-    "aten.upsample_bilinear2d.default": _upsample,
-    "aten.upsample_bilinear2d.vec": _upsample,
+    "aten.avg_pool3d.default": _pool,
+    **{f"aten.upsample_{kind}.{v}": _upsample for v in ("default", "vec")
+       for kind in ("nearest1d", "nearest2d", "nearest3d", "linear1d", "bilinear2d",
+                    "trilinear3d")},
     "aten._native_batch_norm_legit_no_training.default": _batch_norm_eval,
     "aten.constant_pad_nd.default": _pad,
     "aten.cat.default": _cat,
@@ -222,7 +237,7 @@ def window(node: Node, in_shapes, out_shapes, d: int, indices_read: bool = False
     fn = RULES.get(node.target)
     if fn is None or node.rng or node.kind != "op":
         return None
-    if node.target.startswith("aten.max_pool2d") and indices_read:
+    if node.target.startswith("aten.max_pool") and indices_read:
         return None
     try:
         return fn(node, Bound(node), [tuple(s) for s in in_shapes],

@@ -41,17 +41,23 @@ import torch
 
 from ..ir.graph import Graph, Node, Ref, Region, TensorInfo, iter_refs, map_refs
 from .ftrans import reentered, region_outputs, weak_pieces
-from .halo import SPATIAL, Window, window
+from .halo import Window, spatial_dims, window
 from .dims_base import Bound
 from .proto import External, ProtoBuilder
 
 aten = torch.ops.aten
-DIM_NAMES = {2: "height", 3: "width"}
-MAX_TILES = {1: 16, 2: 8}          # parts per split dim, by how many dims are split
+# the image dims' names, by tensor rank (NCL, NCHW, NCDHW)
+DIM_NAMES = {3: ("length",), 4: ("height", "width"), 5: ("depth", "height", "width")}
+MAX_TILES = {1: 16, 2: 8, 3: 4}    # parts per split dim, by how many dims are split
 
 
-def tiles_name(dims) -> str:
-    return "×".join(DIM_NAMES[d] for d in dims)
+def tiles_name(dims, rank: int = 4) -> str:
+    return "×".join(DIM_NAMES[rank][d - 2] for d in dims)
+
+
+def region_rank(g: Graph, ops) -> int:
+    """The rank of a tiled region's images (its first op's output)."""
+    return len(g.nodes[min(ops)].outputs[0].shape)
 
 
 @dataclass
@@ -96,11 +102,12 @@ def tiling(g: Graph, ops, dims) -> Tiling | str:
     if reentered(g, ops):
         return "not convex"
     rd = g.readers()
+    rank = region_rank(g, ops)
     wins = {}
     for v in ops:
         w = op_windows(g, v, dims, rd)
         if w is None:
-            return f"{g.nodes[v].name} has no window rule along {tiles_name(dims)}"
+            return f"{g.nodes[v].name} has no window rule along dims {dims}"
         wins[v] = w
     for v in ops:
         node = g.nodes[v]
@@ -108,8 +115,8 @@ def tiling(g: Graph, ops, dims) -> Tiling | str:
             if r.node in ops and (r.out != 0 or any(j not in wins[v][d].inputs for d in dims)):
                 return f"{node.name} reads a tensor of the region whole"
             if r.node not in ops and all(j in wins[v][d].inputs for d in dims) \
-                    and len(g.tensor(r).shape) != 4:
-                return f"{node.name} reads a windowed input that is not NCHW"
+                    and len(g.tensor(r).shape) != rank:
+                return f"{node.name} reads a windowed input of another rank"
     outs = region_outputs(g, ops)
     for r in outs:
         if r.out != 0:
@@ -135,7 +142,8 @@ def check(g: Graph, ops, dims, n: int) -> str | None:
     for r in t.outputs:
         for d in t.dims:
             if g.tensor(r).shape[d] % n:
-                return f"{n} does not divide {g.nodes[r.node].name}'s {DIM_NAMES[d]}"
+                name = DIM_NAMES[len(g.tensor(r).shape)][d - 2]
+                return f"{n} does not divide {g.nodes[r.node].name}'s {name}"
     return None
 
 
@@ -299,7 +307,7 @@ class _Tiles:
                 pads = {d: (clip[d][0] - need[d][0], need[d][1] - clip[d][1]) for d in t.dims}
                 if any(pads[d] != (0, 0) for d in t.dims):
                     flat = []
-                    for d in (3, 2):
+                    for d in reversed(range(2, len(shape))):
                         flat += list(pads.get(d, (0, 0)))
                     shape = tuple(s + sum(pads.get(d, (0, 0))) for d, s in enumerate(shape))
                     pid = self.add("aten.constant_pad_nd.default", aten.constant_pad_nd.default,
@@ -328,7 +336,7 @@ class _Tiles:
             # statistics: empty on the CPU, per channel on the meta device) is
             # the whole op's; a max pool's indices are the tile's
             outs = [None if tt is None or s is None else
-                    tt if i and len(tt.shape) != 4 else _tinfo(s, tt)
+                    tt if i and len(tt.shape) != len(node.outputs[0].shape) else _tinfo(s, tt)
                     for i, (tt, s) in enumerate(zip(node.outputs, shapes))]
             nid = self.add(node.target, node.op, args, kwargs, outs, k,
                            f"{node.name}_t{k}", node.category)
@@ -364,6 +372,9 @@ class _Tiles:
         """The op's arguments with every split dim's edits (``Window.edits``)."""
         b = Bound(node)
         new = {}
+        # a pool's one-value padding stands for every image dim: spelled out
+        # before one dim's entry changes (F.pad's list is per side already)
+        spread = len(node.outputs[0].shape) - 2
         for d in self.t.dims:
             for name, i, val in self.t.wins[node.id][d].edits(size[d]):
                 cur = new.get(name, b[name])
@@ -372,7 +383,7 @@ class _Tiles:
                 else:
                     cur = [cur] if isinstance(cur, int) else list(cur)
                     if len(cur) == 1:
-                        cur = cur * 2
+                        cur = cur * spread
                     cur[i] = val
                     new[name] = cur
         return b.replace(**new)
@@ -404,20 +415,27 @@ def expand_tiles(b: ProtoBuilder, g: Graph, ops, dims, n: int, rid: int, joined:
 
 def spatial_candidates(g: Graph, hot_by_op: dict[int, int], start: int) -> list:
     """F-Tree candidates that tile image regions (Note [tiles with halos]): every
-    maximal convex, connected set of ops with window rules, split along the
-    height alone and along height and width. None for a graph with a backward."""
+    maximal convex, connected set of ops with window rules, split along its
+    first image dim alone and along all of them. None for a graph with a backward."""
     from .ftree import Candidate
     ops = [n.id for n in g.ops]
     if not ops or any(role and role[0] == "loss" for role in g.output_roles):
         return []
     rd = g.readers()
-    able = {v for v in ops if op_windows(g, v, SPATIAL, rd) is not None}
-    # linked: a reader of a windowed op's output 0 that windows it too
+    able: dict[int, tuple[int, dict]] = {}       # op -> (rank, its windows)
+    for v in ops:
+        out0 = g.nodes[v].outputs[0] if g.nodes[v].outputs else None
+        dims = spatial_dims(len(out0.shape)) if out0 is not None else ()
+        w = op_windows(g, v, dims, rd) if dims else None
+        if w is not None:
+            able[v] = (len(dims) + 2, w)
+    # linked: a reader of an op's output 0 that windows it too, at the same rank
     linked = set()
-    for v in able:
+    for v, (rank, w) in able.items():
         node = g.nodes[v]
         for j, r in enumerate(iter_refs((node.args, node.kwargs))):
-            if r.node in able and r.out == 0:
+            if r.node in able and r.out == 0 and able[r.node][0] == rank \
+                    and all(j in wd.inputs for wd in w.values()):
                 linked |= {v, r.node}
     out = []
     for piece in weak_pieces(g, linked):
@@ -426,7 +444,8 @@ def spatial_candidates(g: Graph, hot_by_op: dict[int, int], start: int) -> list:
             sub = frozenset(sub)
             if len(sub) < 2:
                 continue
-            for dims in ((2,), (2, 3)):
+            every = spatial_dims(region_rank(g, sub))
+            for dims in sorted({(2,), every}, key=len):
                 t = tiling(g, sub, dims)
                 if isinstance(t, str):
                     continue

@@ -14,7 +14,7 @@ from collections import Counter
 
 from .. import zoo
 from ..analysis import DGraph, FTrans, apply_fission, build_ftree
-from ..analysis.spatial import spatial_candidates, tiles_name
+from ..analysis.spatial import region_rank, spatial_candidates, tiles_name
 from ..program import trace
 from ..verify import Reference
 from .common import fixed_threads, parser, table, write_json
@@ -82,7 +82,8 @@ def fission_rows(name: str, *, max_candidates: int | None = None, ns=("2", "max"
                 exact64 = fp64(c.ops, c.comp, n) if fp64 else None
             rows.append({
                 "model": name, "candidate": c.id, "level": c.level,
-                "dim": tiles_name(c.tiles) if c.tiles else dg.components[c.comp].name,
+                "dim": tiles_name(c.tiles, region_rank(prog.graph, c.ops)) if c.tiles
+                else dg.components[c.comp].name,
                 "ops": len(c.ops), "n": n, "sim_peak": sim, "measured_peak": chk.measured_peak,
                 "baseline_measured_peak": base.measured_peak,
                 "rel_error": abs(sim - chk.measured_peak) / chk.measured_peak,

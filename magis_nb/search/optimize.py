@@ -9,7 +9,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
 from ..analysis.ftrans import divisors
-from ..analysis.spatial import tiles_name
+from ..analysis.spatial import region_rank, tiles_name
 from ..capture import CaptureError
 from ..distributed import BucketComm
 from ..program import trace
@@ -70,7 +70,8 @@ class _Builder:
         regions = []
         for cid, n in st.plan:
             c = sp.cands[cid]
-            name = tiles_name(c.tiles) if c.tiles else sp.dg.components[c.comp].name
+            name = tiles_name(c.tiles, region_rank(sp.base, c.ops)) if c.tiles \
+                else sp.dg.components[c.comp].name
             regions.append(Region(name, n, len(c.ops),
                                   sp.base.nodes[min(c.ops)].name, c.pack, len(c.recompute)))
         remat = sorted(s.op for b in st.batches if b.kind == "remat" for s in b.specs)
