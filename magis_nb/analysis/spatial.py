@@ -76,6 +76,7 @@ def _shapes(g: Graph, node: Node):
 
 
 def op_windows(g: Graph, v: int, dims, readers=None) -> dict[int, Window] | None:
+    """Op ``v``'s window along each of ``dims``, or None where one has no rule."""
     node = g.nodes[v]
     if node.kind != "op" or not node.outputs or node.outputs[0] is None:
         return None
@@ -97,7 +98,7 @@ def tiling(g: Graph, ops, dims) -> Tiling | str:
     ops = frozenset(ops)
     if not ops:
         return "empty region"
-    if weak_pieces(g, ops).__len__() != 1:
+    if len(weak_pieces(g, ops)) != 1:
         return "not weakly connected"
     if reentered(g, ops):
         return "not convex"
@@ -228,7 +229,10 @@ class _Tiles:
         specs = [(self.shape_of(r), self.g.tensor(Ref(r.node, r.out)).dtype
                   if isinstance(r, External) else self.b.nodes[r.node].outputs[r.out].dtype)
                  for r in refs]
-        key = (node.id, tuple(specs), repr(args), repr(kwargs))
+        # tiles of one shape share the answer: the key has no tensor identities
+        pos = lambda r, k: k  # noqa: E731
+        key = (node.id, tuple(specs), repr(map_refs(tuple(args), pos, [0])),
+               repr(map_refs(dict(kwargs), pos, [0])))
         got = self.meta.get(key)
         if got is None:
             mk = lambda r, k: torch.empty(specs[k][0], dtype=specs[k][1], device="meta")  # noqa: E731
