@@ -248,3 +248,26 @@ def test_transformers_mobilenet_inference_in_tiles():
     model = Logits(case.model.eval())
     got = tiled_runs(model, case.inputs["pixel_values"][:2], max_n=2)
     assert got
+
+
+def test_tiles_of_rotary_attention_keep_the_layout_later_views_expect():
+    """In a language model's inference the 4-D attention tensors ([B, H, S, D],
+    made by a transpose) are elementwise-tiled too. Rotary embeddings there
+    write a tensor that later views were traced on with the transposed layout:
+    its full-size result must keep those strides (Hugging Face's Llama)."""
+    from magis_nb.bench.corpus_models import MODELS
+
+    torch.manual_seed(0)
+    case = MODELS["llama"][1]()
+    model = case.model.eval()
+    batch = {k: v for k, v in case.inputs.items() if k != "labels"}
+    prog = trace(model, batch, mode="infer")
+    dg = DGraph(prog.graph)
+    ref = Reference(model, batch, None, "infer", 0)
+    cands = spatial_candidates(prog.graph, {}, 0)
+    assert cands
+    for c in cands:
+        n = 2 if c.max_n % 2 == 0 else c.max_n
+        split = prog.with_graph(apply_fission(dg, [c.ftrans(n)]))
+        chk = ref.check(split.module())
+        assert chk.comparison.allclose and chk.measured_peak == split.simulate().peak

@@ -39,7 +39,7 @@ from itertools import product
 
 import torch
 
-from ..ir.graph import Graph, Node, Ref, Region, TensorInfo, iter_refs, map_refs
+from ..ir.graph import Graph, Node, Ref, Region, TensorInfo, contiguous, iter_refs, map_refs
 from .ftrans import reentered, region_outputs, weak_pieces
 from .halo import Window, spatial_dims, window
 from .dims_base import Bound
@@ -189,10 +189,11 @@ def _inside(wins: dict[int, Window], rng: dict, size) -> dict | None:
     return out
 
 
-def _tinfo(shape, like: TensorInfo, alias=None) -> TensorInfo:
+def _tinfo(shape, like: TensorInfo, alias=None, stride=None) -> TensorInfo:
     shape = tuple(shape)
     item = torch.empty((), dtype=like.dtype).element_size()
-    return TensorInfo(shape, like.dtype, 0 if alias is not None else math.prod(shape) * item, alias)
+    return TensorInfo(shape, like.dtype, 0 if alias is not None else math.prod(shape) * item, alias,
+                      None if stride is None else tuple(stride))
 
 
 class _Tiles:
@@ -205,6 +206,7 @@ class _Tiles:
         self.count = n ** len(t.dims)
         self.seq = 0
         self.meta: dict = {}
+        self.full_st: dict[Ref, tuple] = {}   # region output -> strides of its full result
 
     def key(self, phase: int, k: int) -> tuple:
         self.seq += 1
@@ -249,11 +251,22 @@ class _Tiles:
         return tuple(self.b.nodes[r.node].outputs[r.out].shape)
 
     def allocate(self, r: Ref) -> int:
+        """The full-size result of output ``r``, laid out as the output it stands
+        for where later ops see its strides (views traced on a permuted layout:
+        rotary embeddings on [B, H, S, D] made by a transpose), as in apply.py."""
+        from .apply import _full_stride, _layout_seen
         t, node = self.g.tensor(r), self.g.nodes[r.node]
+        st = _full_stride(t) if _layout_seen(self.g, r, self.t.ops) else tuple(contiguous(t.shape))
+        self.full_st[r] = st
         kw = {"dtype": t.dtype, "layout": torch.strided, "device": torch.device("cpu"),
               "pin_memory": False}
-        return self.b.op("aten.empty.memory_format", aten.empty.memory_format, [list(t.shape)], kw,
-                         [_tinfo(t.shape, t)], self.key(0, 0), node.name + "_full", node.category)
+        if st == tuple(contiguous(t.shape)):
+            return self.b.op("aten.empty.memory_format", aten.empty.memory_format, [list(t.shape)],
+                             kw, [_tinfo(t.shape, t, stride=st)], self.key(0, 0),
+                             node.name + "_full", node.category)
+        return self.b.op("aten.empty_strided.default", aten.empty_strided.default,
+                         [list(t.shape), list(st)], kw, [_tinfo(t.shape, t, stride=st)],
+                         self.key(0, 0), node.name + "_full", node.category)
 
     def run_tile(self, k: int, tile: tuple[int, ...], dest: dict[Ref, int],
                  writes: dict[Ref, list[int]]) -> None:
@@ -412,7 +425,8 @@ def expand_tiles(b: ProtoBuilder, g: Graph, ops, dims, n: int, rid: int, joined:
     for r in t.outputs:
         tt, node = g.tensor(r), g.nodes[r.node]
         j = b.op("aten.alias.default", aten.alias.default, [Ref(dest[r], 0)], {},
-                 [_tinfo(tt.shape, tt, alias=Ref(dest[r], 0))], x.key(2, 0), node.name,
+                 [_tinfo(tt.shape, tt, alias=Ref(dest[r], 0), stride=x.full_st[r])], x.key(2, 0),
+                 node.name,
                  node.category, deps=writes[r])
         joined[r] = Ref(j, 0)
 
