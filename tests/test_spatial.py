@@ -157,7 +157,9 @@ def test_random_1d_and_3d_chains_in_tiles_are_exact(data):
 
 
 class Skips(nn.Module):
-    """Two scales joined by a channel concat and an add, with batch norm."""
+    """Two scales joined by a channel concat and an add, with batch norm, and a
+    table broadcast along the height but not the width (windowed along one
+    split dim only, as rotary tables are)."""
 
     def __init__(self):
         super().__init__()
@@ -166,11 +168,12 @@ class Skips(nn.Module):
         self.b = nn.Conv2d(4, 4, 3, padding=1)
         self.up = nn.ConvTranspose2d(4, 4, 2, stride=2)
         self.c = nn.Conv2d(8, 2, 3, padding=2, dilation=2)
+        self.register_buffer("row", torch.linspace(0.5, 1.5, 32).view(1, 1, 1, 32))
 
     def forward(self, x):
         a = F.relu(self.bn(self.a(x)))
         b = self.b(F.max_pool2d(a, 2))
-        u = self.up(b) + a
+        u = (self.up(b) + a) * self.row
         return self.c(torch.cat([a, u], 1)) * 0.5
 
 

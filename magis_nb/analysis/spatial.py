@@ -115,7 +115,7 @@ def tiling(g: Graph, ops, dims) -> Tiling | str:
         for j, r in enumerate(iter_refs((node.args, node.kwargs))):
             if r.node in ops and (r.out != 0 or any(j not in wins[v][d].inputs for d in dims)):
                 return f"{node.name} reads a tensor of the region whole"
-            if r.node not in ops and all(j in wins[v][d].inputs for d in dims) \
+            if r.node not in ops and any(j in wins[v][d].inputs for d in dims) \
                     and len(g.tensor(r).shape) != rank:
                 return f"{node.name} reads a windowed input of another rank"
     outs = region_outputs(g, ops)
@@ -282,14 +282,16 @@ class _Tiles:
             new_refs = []
             lo_fed = {}
             for j, r in enumerate(refs):
-                windowed = all(j in t.wins[v][d].inputs for d in t.dims)
-                if not windowed:
+                # the dims this input is windowed along: all of them, or, for an
+                # input broadcast along some (rotary tables: [1, S, 1, D]), the rest
+                wd = [d for d in t.dims if j in t.wins[v][d].inputs]
+                if not wd:
                     new_refs.append(External(r.node, r.out))
                     continue
                 full = g.tensor(r).shape
-                need = {d: t.wins[v][d].need(*rng[v][d]) for d in t.dims}
-                clip = _inside(t.wins[v], rng[v], full)
-                w0 = t.wins[v][t.dims[0]]
+                need = {d: t.wins[v][d].need(*rng[v][d]) for d in wd}
+                clip = _inside({d: t.wins[v][d] for d in wd}, rng[v], full)
+                w0 = t.wins[v][wd[0]]
                 if clip is None:
                     # nothing but padding rows: the tile makes them (a conv's
                     # first output row may read only its top padding)
@@ -299,12 +301,12 @@ class _Tiles:
                                    {"dtype": tt.dtype, "layout": torch.strided,
                                     "device": torch.device("cpu"), "pin_memory": False},
                                    [_tinfo(shape, tt)], k, f"{node.name}_pad{k}", node.category)
-                    lo_fed[j] = {d: need[d][0] for d in t.dims}
+                    lo_fed[j] = {d: need[d][0] for d in wd}
                     new_refs.append(Ref(fid, 0))
                     continue
                 if r.node in t.ops:
                     src, shape = made[r.node], self.shape_of(made[r.node])
-                    for d in t.dims:
+                    for d in wd:
                         src, shape = self.narrow(src, g.tensor(r), shape, d,
                                                  clip[d][0] - rng[r.node][d][0],
                                                  clip[d][1] - clip[d][0], k,
@@ -313,7 +315,7 @@ class _Tiles:
                     sk = (r, tuple(sorted(clip.items())))
                     if sk not in sliced:
                         src, shape = External(r.node, r.out), tuple(full)
-                        for d in t.dims:
+                        for d in wd:
                             src, shape = self.narrow(src, g.tensor(r), shape, d, clip[d][0],
                                                      clip[d][1] - clip[d][0], k,
                                                      f"{g.nodes[r.node].name}_t{k}",
@@ -321,8 +323,8 @@ class _Tiles:
                         sliced[sk] = src
                     src = sliced[sk]
                     shape = self.shape_of(src)
-                pads = {d: (clip[d][0] - need[d][0], need[d][1] - clip[d][1]) for d in t.dims}
-                if any(pads[d] != (0, 0) for d in t.dims):
+                pads = {d: (clip[d][0] - need[d][0], need[d][1] - clip[d][1]) for d in wd}
+                if any(pads[d] != (0, 0) for d in wd):
                     flat = []
                     for d in reversed(range(2, len(shape))):
                         flat += list(pads.get(d, (0, 0)))
@@ -337,12 +339,11 @@ class _Tiles:
                                    [_tinfo(shape, g.tensor(r))], k, f"{node.name}_d{k}",
                                    node.category)
                     src = Ref(cid, 0)
-                lo_fed[j] = {d: need[d][0] for d in t.dims}   # padding rows included
+                lo_fed[j] = {d: need[d][0] for d in wd}   # padding rows included
                 new_refs.append(src)
-            size = {d: None for d in t.dims}
-            for j in lo_fed:
-                for d in t.dims:
-                    size[d] = self.shape_of(new_refs[j])[d]
+            # per dim, the rows fed by an input windowed along it (each op has one)
+            fed = {d: next(j for j in lo_fed if d in lo_fed[j]) for d in t.dims}
+            size = {d: self.shape_of(new_refs[fed[d]])[d] for d in t.dims}
             args, kwargs = self.edited(node, size)
             it = iter(new_refs)
             ctr = [0]
@@ -359,9 +360,8 @@ class _Tiles:
                            f"{node.name}_t{k}", node.category)
             self.b.nodes[nid].multi = node.multi
             out, shape = Ref(nid, 0), shapes[0]
-            j0 = next(iter(lo_fed))
             for d in t.dims:
-                first = t.wins[v][d].origin(lo_fed[j0][d])
+                first = t.wins[v][d].origin(lo_fed[fed[d]][d])
                 a, e = rng[v][d]
                 out, shape = self.narrow(out, node.outputs[0], shape, d, a - first, e - a, k,
                                          f"{node.name}_o{k}", node.category)
