@@ -92,9 +92,11 @@ def test_random_conv_chains_in_tiles_are_exact(data):
     x = torch.randn(1, ch, size, size + data.draw(st.integers(0, 6)))
     try:
         with torch.no_grad():
-            model(x)
+            out = model(x)
     except RuntimeError:
         assume(False)               # the image shrank to nothing: not a valid chain
+    # a dilated max pool whose window holds padding alone makes -inf, then NaN
+    assume(bool(torch.isfinite(out).all()))
     assume(tiled_runs(model, x, max_n=3))   # some tiling (n divides the output)
 
 
@@ -150,9 +152,10 @@ def test_random_1d_and_3d_chains_in_tiles_are_exact(data):
     x = torch.randn(1, ch, *([side] * nd))
     try:
         with torch.no_grad():
-            model(x)
+            out = model(x)
     except RuntimeError:
         assume(False)
+    assume(bool(torch.isfinite(out).all()))
     assume(tiled_runs(model, x, max_n=2))
 
 
@@ -267,8 +270,8 @@ def test_tiles_of_rotary_attention_keep_the_layout_later_views_expect():
     prog = trace(model, batch, mode="infer")
     dg = DGraph(prog.graph)
     ref = Reference(model, batch, None, "infer", 0)
-    cands = spatial_candidates(prog.graph, {}, 0)
-    assert cands
+    cands = spatial_candidates(prog.graph, {}, 0, halo_only=False)
+    assert cands and not spatial_candidates(prog.graph, {}, 0)   # offered only with a halo
     for c in cands:
         n = 2 if c.max_n % 2 == 0 else c.max_n
         split = prog.with_graph(apply_fission(dg, [c.ftrans(n)]))

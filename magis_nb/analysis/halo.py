@@ -232,6 +232,12 @@ RULES: dict[str, Callable] = {
 }
 
 
+# ops whose window is wider than their own rows, or shifted: a region without
+# one is elementwise along the image, which the D-Graph's equal slices split
+# already (and the generated code loops over)
+HALO_TARGETS = frozenset(t for t, fn in RULES.items() if fn not in (_same, _cat, _batch_norm_eval))
+
+
 def window(node: Node, in_shapes, out_shapes, d: int, indices_read: bool = False) -> Window | None:
     """The op's window along spatial dim ``d``, or None: it cannot be split there."""
     fn = RULES.get(node.target)

@@ -41,7 +41,7 @@ import torch
 
 from ..ir.graph import Graph, Node, Ref, Region, TensorInfo, contiguous, iter_refs, map_refs
 from .ftrans import reentered, region_outputs, weak_pieces
-from .halo import Window, spatial_dims, window
+from .halo import HALO_TARGETS, Window, spatial_dims, window
 from .dims_base import Bound
 from .proto import External, ProtoBuilder
 
@@ -431,10 +431,13 @@ def expand_tiles(b: ProtoBuilder, g: Graph, ops, dims, n: int, rid: int, joined:
         joined[r] = Ref(j, 0)
 
 
-def spatial_candidates(g: Graph, hot_by_op: dict[int, int], start: int) -> list:
+def spatial_candidates(g: Graph, hot_by_op: dict[int, int], start: int,
+                       halo_only: bool = True) -> list:
     """F-Tree candidates that tile image regions (Note [tiles with halos]): every
     maximal convex, connected set of ops with window rules, split along its
-    first image dim alone and along all of them. None for a graph with a backward."""
+    first image dim alone and along all of them. None for a graph with a backward.
+    ``halo_only``: only regions with an op whose window is wider than its rows
+    (`halo.HALO_TARGETS`); elementwise regions the D-Graph splits already."""
     from .ftree import Candidate
     ops = [n.id for n in g.ops]
     if not ops or any(role and role[0] == "loss" for role in g.output_roles):
@@ -460,7 +463,8 @@ def spatial_candidates(g: Graph, hot_by_op: dict[int, int], start: int) -> list:
         region = frozenset(piece - reentered(g, piece))
         for sub in weak_pieces(g, region):
             sub = frozenset(sub)
-            if len(sub) < 2:
+            if len(sub) < 2 or (halo_only and
+                                not any(g.nodes[v].target in HALO_TARGETS for v in sub)):
                 continue
             every = spatial_dims(region_rank(g, sub))
             for dims in sorted({(2,), every}, key=len):
