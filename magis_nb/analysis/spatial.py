@@ -431,17 +431,21 @@ def expand_tiles(b: ProtoBuilder, g: Graph, ops, dims, n: int, rid: int, joined:
         joined[r] = Ref(j, 0)
 
 
-def spatial_candidates(g: Graph, hot_by_op: dict[int, int], start: int,
+def spatial_candidates(g: Graph, hotspots: dict[Ref, int], start: int,
                        halo_only: bool = True) -> list:
     """F-Tree candidates that tile image regions (Note [tiles with halos]): every
     maximal convex, connected set of ops with window rules, split along its
-    first image dim alone and along all of them. None for a graph with a backward.
+    first image dim alone and along all of them, numbered from ``start``, scored
+    by the ``hotspots`` they split (as `build_ftree`). None for a graph with a backward.
     ``halo_only``: only regions with an op whose window is wider than its rows
     (`halo.HALO_TARGETS`); elementwise regions the D-Graph splits already."""
     from .ftree import Candidate
     ops = [n.id for n in g.ops]
     if not ops or any(role and role[0] == "loss" for role in g.output_roles):
         return []
+    hot_by_op: dict[int, int] = {}
+    for r, size in hotspots.items():
+        hot_by_op[r.node] = hot_by_op.get(r.node, 0) + size
     rd = g.readers()
     able: dict[int, tuple[int, dict]] = {}       # op -> (rank, its windows)
     for v in ops:

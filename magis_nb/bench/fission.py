@@ -56,10 +56,7 @@ def fission_rows(name: str, *, max_candidates: int | None = None, ns=("2", "max"
     hot = prog.hotspots()
     cands = build_ftree(dg, hot)
     if infer:
-        by_op: dict[int, int] = {}
-        for r, size in hot.items():
-            by_op[r.node] = by_op.get(r.node, 0) + size
-        cands += spatial_candidates(prog.graph, by_op, len(cands))
+        cands += spatial_candidates(prog.graph, hot, len(cands))
     ref = Reference(case.model, inputs, loss_fn, mode, seed)
     base = ref.check(prog.module())
     info = {"model": name, "components": len(dg.components),

@@ -159,12 +159,10 @@ class Space:
         self.dg, self.cands = None, []
         if fission:
             self.dg = DGraph(self.base)
-            self.cands = build_ftree(self.dg, program.hotspots(), levels=levels)
+            hot = program.hotspots()
+            self.cands = build_ftree(self.dg, hot, levels=levels)
             add_pack_twins(self.dg, self.cands)
             # inference only: image regions in tiles (Note [tiles with halos])
-            hot: dict[int, int] = {}
-            for r, size in program.hotspots().items():
-                hot[r.node] = hot.get(r.node, 0) + size
             self.cands += spatial_candidates(self.base, hot, len(self.cands))
         self._fission: dict[tuple, Graph] = {}
         self.evaluated = 0
