@@ -17,7 +17,6 @@ masks] in analysis/masks.py.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterable
 
 import torch
@@ -29,68 +28,12 @@ from .dgraph import DGraph
 from .dims_base import dim_index
 from .ftrans import FTrans, check, plan_outputs
 from .masks import PackedMask, pack_masks
-from .proto import External, ProtoBuilder
+from .proto import (External, ProtoBuilder, full_result, full_stride, layout_seen, order_after,
+                    tensor_info)
 from .spatial import check as check_tiles
 from .spatial import expand_tiles
 
 aten = torch.ops.aten
-
-
-def _itemsize(t: TensorInfo) -> int:
-    try:
-        return torch.empty((), dtype=t.dtype).element_size()
-    except Exception:  # noqa: BLE001
-        n = math.prod(t.shape)
-        return t.nbytes // n if n else 4
-
-
-def _info(shape, like: TensorInfo, alias: Ref | None = None, stride=None) -> TensorInfo:
-    shape = tuple(shape)
-    nbytes = 0 if alias is not None else math.prod(shape) * _itemsize(like)
-    return TensorInfo(shape, like.dtype, nbytes, alias, None if stride is None else tuple(stride))
-
-
-def _full_stride(t: TensorInfo) -> tuple[int, ...]:
-    """The strides of the full-size result a region output is assembled into
-    (DESIGN.md §11 "Layout is semantics": the views outside the region were
-    traced against the original's strides). The original's when they are dense
-    (a transposed or permuted layout: ``scaled_dot_product_attention``'s output);
-    for a layout with gaps or overlaps (an expanded or sliced original), dense
-    strides with the dims in the original's order (an expanded dim where a
-    contiguous layout has it), since the parts are written into it (``copy_``
-    cannot write overlapping elements) and every view valid on the original is
-    valid on those; contiguous when the graph does not know."""
-    shape = tuple(t.shape)
-    if t.stride is None or len(t.stride) != len(shape):
-        return tuple(contiguous(shape))
-    stride = tuple(t.stride)
-    expect = 1
-    for st, sz in sorted((st, sz) for sz, st in zip(shape, stride) if sz != 1):
-        if st != expect:
-            break
-        expect *= sz
-    else:
-        return stride
-    # an expanded dim (stride 0) sits where a contiguous layout puts it
-    eff = list(stride)
-    for d in reversed(range(len(shape))):
-        if eff[d] == 0:
-            eff[d] = eff[d + 1] * shape[d + 1] if d + 1 < len(shape) else 1
-    order = sorted(range(len(shape)), key=lambda d: (-eff[d], d))   # outermost first
-    out, acc = [0] * len(shape), 1
-    for d in reversed(order):
-        out[d] = acc
-        acc *= shape[d]
-    return tuple(out)
-
-
-def _layout_seen(g: Graph, r: Ref, region: frozenset[int]) -> bool:
-    """An op after the region reads output ``r`` (directly or through a view), so
-    its strides are part of the program. Otherwise ``r`` is only returned (a weight
-    gradient, split along the batch and summed): contiguous is then what eager's
-    AccumulateGrad gives, and accumulating into a transposed buffer measured up to
-    3x slower per part here."""
-    return bool(g.readers().get(g.storage_of(r), set()) - region)
 
 
 def apply_fission(dg: DGraph, regions: Iterable[FTrans]) -> Graph:
@@ -195,21 +138,10 @@ def _expand_region(b: ProtoBuilder, dg: DGraph, f: FTrans, rid: int, plan, joine
         # Parts run one after another (the definition of fission): part k+1 starts
         # after part k's last node, whatever order a scheduler picks.
         if prev_last is not None:
-            _order_after(b, first, prev_last)
+            order_after(b, first, prev_last)
         prev_last = len(b.nodes) - 1 if len(b.nodes) > first else None
     for r in plan:
         joined[r] = x.join(r)
-
-
-def _order_after(b: ProtoBuilder, first: int, prev_last: int) -> None:
-    """Order the nodes from ``first`` on that read no node of their own part
-    after ``prev_last``, the previous part's last node."""
-    for v in range(first, len(b.nodes)):
-        node = b.nodes[v]
-        inner = any(not isinstance(r, External) and r.node >= first
-                    for r in iter_refs((node.args, node.kwargs)))
-        if not inner:
-            node.deps = tuple(node.deps) + (prev_last,)
 
 
 def _part_shapes(node: Node, split: tuple[tuple[int, int], ...], n: int) -> list[tuple | None]:
@@ -255,41 +187,34 @@ class _Expansion:
 
     def allocate(self, r: Ref) -> None:
         """The full-size destination of output ``r``, made before part 0 and laid
-        out as the output it stands for (`_full_stride`)."""
+        out as the output it stands for (`full_stride`)."""
         b, g, t = self.b, self.g, self.g.tensor(r)
         how = self.plan[r][0]
-        st = self.full_st[r] = _full_stride(t) if _layout_seen(g, r, self.f.ops) \
+        st = self.full_st[r] = full_stride(t) if layout_seen(g, r, self.f.ops) \
             else tuple(contiguous(t.shape))
         plain = st == tuple(contiguous(t.shape))
         nm, cat = g.nodes[r.node].name, g.nodes[r.node].category
         kw = {"dtype": t.dtype, "layout": torch.strided, "device": torch.device("cpu"),
               "pin_memory": False}
         if how == "cat":
-            if plain:
-                self.dest[r] = b.op("aten.empty.memory_format", aten.empty.memory_format,
-                                    [list(t.shape)], kw, [_info(t.shape, t, stride=st)],
-                                    self.key(0, 0), nm + "_full", cat)
-            else:
-                self.dest[r] = b.op("aten.empty_strided.default", aten.empty_strided.default,
-                                    [list(t.shape), list(st)], kw, [_info(t.shape, t, stride=st)],
-                                    self.key(0, 0), nm + "_full", cat)
+            self.dest[r] = full_result(b, t, st, self.key(0, 0), nm + "_full", cat)
             return
         # Reductions accumulate in place into a full-size tensor made before part 0
         # (0 for sums, -inf/+inf for max/min), so every part runs the same code.
         fill = {"sum": 0.0, "mean": 0.0, "max": float("-inf"), "min": float("inf")}[how]
         if plain:
             self.dest[r] = b.op("aten.full.default", aten.full.default, [list(t.shape), fill], kw,
-                                [_info(t.shape, t, stride=st)], self.key(0, 0), nm + "_acc", cat)
+                                [tensor_info(t.shape, t, stride=st)], self.key(0, 0), nm + "_acc", cat)
             return
         # filled in memory order, then permuted to the original's dim order: one
         # allocating op and a view, no in-place fill the rules would have to respect
         order = sorted(range(len(st)), key=lambda d: (-st[d], d))
         shape_m = [t.shape[d] for d in order]
         e = b.op("aten.full.default", aten.full.default, [shape_m, fill], kw,
-                 [_info(shape_m, t, stride=contiguous(shape_m))], self.key(0, 0), nm + "_acc", cat)
+                 [tensor_info(shape_m, t, stride=contiguous(shape_m))], self.key(0, 0), nm + "_acc", cat)
         self.dest[r] = b.op("aten.permute.default", aten.permute.default,
                             [Ref(e, 0), [order.index(d) for d in range(len(st))]], {},
-                            [_info(t.shape, t, alias=Ref(e, 0), stride=st)], self.key(0, 0),
+                            [tensor_info(t.shape, t, alias=Ref(e, 0), stride=st)], self.key(0, 0),
                             nm + "_acc0", cat)
 
     def pack(self) -> None:
@@ -311,7 +236,7 @@ class _Expansion:
                 shape = list(t.shape)
                 shape[d] = c
                 nid = self.b.op("aten.narrow.default", aten.narrow.default, [src, d, k * c, c], {},
-                                [_info(shape, t, alias=src)], self.key(1, k), f"{node.name}_s{k}",
+                                [tensor_info(shape, t, alias=src)], self.key(1, k), f"{node.name}_s{k}",
                                 node.category, Region(self.rid, k, self.n, c))
                 narrows[(r, d)] = Ref(nid, 0)
         return narrows[(r, d)]
@@ -335,7 +260,7 @@ class _Expansion:
         t = node.outputs[0]
         cp = self.b.op("aten.clone.default", aten.clone.default, [pr],
                        {"memory_format": torch.contiguous_format},
-                       [_info(t.shape, t)], self.key(1, k), f"{node.name}_d", node.category,
+                       [tensor_info(t.shape, t)], self.key(1, k), f"{node.name}_d", node.category,
                        Region(self.rid, k, self.n, 0))
         narrows[(pr, "dense")] = Ref(cp, 0)
         return Ref(cp, 0)
@@ -348,12 +273,12 @@ class _Expansion:
         c = blk // self.n
         un = shape[:dim] + [shape[dim] // blk, blk] + shape[dim + 1:]
         u = self.b.op("aten.view.default", aten.view.default, [src, un], {},
-                      [_info(un, t, alias=src)], self.key(1, k), f"{name}_b{k}", cat,
+                      [tensor_info(un, t, alias=src)], self.key(1, k), f"{name}_b{k}", cat,
                       Region(self.rid, k, self.n, 0))
         part = list(un)
         part[dim + 1] = c
         nid = self.b.op("aten.narrow.default", aten.narrow.default, [Ref(u, 0), dim + 1, k * c, c], {},
-                        [_info(part, t, alias=Ref(u, 0))], self.key(1, k), f"{name}_s{k}", cat,
+                        [tensor_info(part, t, alias=Ref(u, 0))], self.key(1, k), f"{name}_s{k}", cat,
                         Region(self.rid, k, self.n, c))
         return Ref(nid, 0), part
 
@@ -365,10 +290,11 @@ class _Expansion:
         flat = list(t.shape)
         flat[d[0]] //= self.n
         reg = Region(self.rid, k, self.n, 0)
-        cp = self.b.op("aten.clone.default", aten.clone.default, [view], {"memory_format": torch.contiguous_format},
-                       [_info(part, t)], self.key(1, k), f"{nm}_bc{k}", cat, reg)
+        cp = self.b.op("aten.clone.default", aten.clone.default, [view],
+                       {"memory_format": torch.contiguous_format},
+                       [tensor_info(part, t)], self.key(1, k), f"{nm}_bc{k}", cat, reg)
         fl = self.b.op("aten.view.default", aten.view.default, [Ref(cp, 0), flat], {},
-                       [_info(flat, t, alias=Ref(cp, 0))], self.key(1, k), f"{nm}_bf{k}", cat, reg)
+                       [tensor_info(flat, t, alias=Ref(cp, 0))], self.key(1, k), f"{nm}_bf{k}", cat, reg)
         return Ref(fl, 0)
 
     def split_op(self, v: int, k: int, part: dict[Ref, Ref],
@@ -404,7 +330,7 @@ class _Expansion:
                 continue
             ai = alias_arg(node.op, i)
             src = args[ai] if ai is not None and ai < len(args) and isinstance(args[ai], Ref) else None
-            outs.append(_info(shapes[i], t, alias=src))
+            outs.append(tensor_info(shapes[i], t, alias=src))
         again = "_r" if v in self.f.recompute else ""
         nid = self.b.op(node.target, node.op, args, kwargs, outs, self.key(1, k),
                         f"{node.name}{again}_p{k}", node.category, Region(self.rid, k, self.n, 0))
@@ -423,7 +349,7 @@ class _Expansion:
         q = list(iter_refs((args, kwargs)))[cp.q]
         like = self.g.tensor(list(iter_refs((node.args, node.kwargs)))[cp.q])
         mid = self.b.op(CAUSAL_MASK_TARGET, CAUSAL_MASK, [q, k * cp.rows, cp.keys], {},
-                        [_info((cp.rows, cp.keys), like)], self.key(1, k),
+                        [tensor_info((cp.rows, cp.keys), like)], self.key(1, k),
                         f"{node.name}_mask{k}", node.category,
                         Region(self.rid, k, self.n, cp.rows))
         if isinstance(at, int):
@@ -447,32 +373,32 @@ class _Expansion:
             # each block's chunk: the part seen as [.., L/block, block/n, ..]
             sl, shape = self._blocked(a, t, dim, k, f"{nm}_w", cat)
             pv = b.op("aten.view.default", aten.view.default, [pr, shape], {},
-                      [_info(shape, t, alias=pr)], self.key(1, k), f"{nm}_pv{k}", cat, reg)
+                      [tensor_info(shape, t, alias=pr)], self.key(1, k), f"{nm}_pv{k}", cat, reg)
             return b.op("aten.copy_.default", aten.copy_.default, [sl, Ref(pv, 0)], {},
-                        [_info(shape, t, alias=sl)], self.key(1, k), f"{nm}_c{k}", cat, reg)
+                        [tensor_info(shape, t, alias=sl)], self.key(1, k), f"{nm}_c{k}", cat, reg)
         if how == "cat":
             c = t.shape[dim] // self.n
             shape = list(t.shape)
             shape[dim] = c
             sl = b.op("aten.narrow.default", aten.narrow.default, [a, dim, k * c, c], {},
-                      [_info(shape, t, alias=a)], self.key(1, k), f"{nm}_w{k}", cat,
+                      [tensor_info(shape, t, alias=a)], self.key(1, k), f"{nm}_w{k}", cat,
                       Region(self.rid, k, self.n, c))
             return b.op("aten.copy_.default", aten.copy_.default, [Ref(sl, 0), pr], {},
-                        [_info(shape, t, alias=Ref(sl, 0))], self.key(1, k), f"{nm}_c{k}", cat, reg)
+                        [tensor_info(shape, t, alias=Ref(sl, 0))], self.key(1, k), f"{nm}_c{k}", cat, reg)
         if r in self.fused:
             # The part's matmul accumulates into the sum itself (a GEMM with
             # beta = 1): no part-sized product, no separate add_ pass.
             mm = b.nodes[pr.node]
             mm.target, mm.op = "aten.addmm_.default", aten.addmm_.default
             mm.args = (a,) + tuple(mm.args)
-            mm.outputs = [_info(t.shape, t, alias=a)]
+            mm.outputs = [tensor_info(t.shape, t, alias=a)]
             return pr.node
         if how in ("sum", "mean"):
             return b.op("aten.add_.Tensor", aten.add_.Tensor, [a, pr], {},
-                        [_info(t.shape, t, alias=a)], self.key(1, k), f"{nm}_add{k}", cat, reg)
+                        [tensor_info(t.shape, t, alias=a)], self.key(1, k), f"{nm}_add{k}", cat, reg)
         fn = aten.maximum.out if how == "max" else aten.minimum.out
         return b.op(f"aten.{'maximum' if how == 'max' else 'minimum'}.out", fn,
-                    [a, pr], {"out": a}, [_info(t.shape, t, alias=a)], self.key(1, k),
+                    [a, pr], {"out": a}, [tensor_info(t.shape, t, alias=a)], self.key(1, k),
                     f"{nm}_{how}{k}", cat, reg)
 
     def join(self, r: Ref) -> Ref:
@@ -483,10 +409,10 @@ class _Expansion:
         deps = list(self.writes[r])
         if self.plan[r][0] == "mean":
             dv = self.b.op("aten.div_.Scalar", aten.div_.Scalar, [base, self.n], {},
-                           [_info(t.shape, t, alias=base)], self.key(2, 0), f"{node.name}_mean",
+                           [tensor_info(t.shape, t, alias=base)], self.key(2, 0), f"{node.name}_mean",
                            node.category, deps=deps)
             deps = [dv]
         j = self.b.op("aten.alias.default", aten.alias.default, [base], {},
-                      [_info(t.shape, t, alias=base, stride=self.full_st[r])], self.key(2, 0),
+                      [tensor_info(t.shape, t, alias=base, stride=self.full_st[r])], self.key(2, 0),
                       node.name, node.category, deps=deps)
         return Ref(j, 0)

@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
+
+import torch
 
 from ..ir.build import unique_ident
-from ..ir.graph import Graph, Node, Ref, Region, iter_refs, map_refs
+from ..ir.graph import Graph, Node, Ref, Region, TensorInfo, contiguous, iter_refs, map_refs
+
+aten = torch.ops.aten
 
 
 class External(Ref):
@@ -102,3 +107,86 @@ class ProtoBuilder:
                 for t in v.outputs]
             out_nodes.append(v)
         return Graph(out_nodes, [Ref(new[r.node], r.out) for r in outputs], roles)
+
+
+# -- what the expansions of split regions (apply.py, spatial.py) share ---------------
+
+def itemsize(t: TensorInfo) -> int:
+    try:
+        return torch.empty((), dtype=t.dtype).element_size()
+    except Exception:  # noqa: BLE001
+        n = math.prod(t.shape)
+        return t.nbytes // n if n else 4
+
+
+def tensor_info(shape, like: TensorInfo, alias: Ref | None = None, stride=None) -> TensorInfo:
+    """A new node's output: ``like``'s dtype at ``shape``; a view of ``alias`` owns no bytes."""
+    shape = tuple(shape)
+    nbytes = 0 if alias is not None else math.prod(shape) * itemsize(like)
+    return TensorInfo(shape, like.dtype, nbytes, alias, None if stride is None else tuple(stride))
+
+
+def full_stride(t: TensorInfo) -> tuple[int, ...]:
+    """The strides of the full-size result a region output is assembled into
+    (DESIGN.md §11 "Layout is semantics": the views outside the region were
+    traced against the original's strides). The original's when they are dense
+    (a transposed or permuted layout: ``scaled_dot_product_attention``'s output);
+    for a layout with gaps or overlaps (an expanded or sliced original), dense
+    strides with the dims in the original's order (an expanded dim where a
+    contiguous layout has it), since the parts are written into it (``copy_``
+    cannot write overlapping elements) and every view valid on the original is
+    valid on those; contiguous when the graph does not know."""
+    shape = tuple(t.shape)
+    if t.stride is None or len(t.stride) != len(shape):
+        return tuple(contiguous(shape))
+    stride = tuple(t.stride)
+    expect = 1
+    for st, sz in sorted((st, sz) for sz, st in zip(shape, stride) if sz != 1):
+        if st != expect:
+            break
+        expect *= sz
+    else:
+        return stride
+    # an expanded dim (stride 0) sits where a contiguous layout puts it
+    eff = list(stride)
+    for d in reversed(range(len(shape))):
+        if eff[d] == 0:
+            eff[d] = eff[d + 1] * shape[d + 1] if d + 1 < len(shape) else 1
+    order = sorted(range(len(shape)), key=lambda d: (-eff[d], d))   # outermost first
+    out, acc = [0] * len(shape), 1
+    for d in reversed(order):
+        out[d] = acc
+        acc *= shape[d]
+    return tuple(out)
+
+
+def layout_seen(g: Graph, r: Ref, region: frozenset[int]) -> bool:
+    """An op after the region reads output ``r`` (directly or through a view), so
+    its strides are part of the program. Otherwise ``r`` is only returned (a weight
+    gradient, split along the batch and summed): contiguous is then what eager's
+    AccumulateGrad gives, and accumulating into a transposed buffer measured up to
+    3x slower per part here."""
+    return bool(g.readers().get(g.storage_of(r), set()) - region)
+
+
+def order_after(b: ProtoBuilder, first: int, prev_last: int) -> None:
+    """Order the nodes from ``first`` on that read no node of their own part
+    after ``prev_last``, the previous part's last node."""
+    for v in range(first, len(b.nodes)):
+        node = b.nodes[v]
+        inner = any(not isinstance(r, External) and r.node >= first
+                    for r in iter_refs((node.args, node.kwargs)))
+        if not inner:
+            node.deps = tuple(node.deps) + (prev_last,)
+
+def full_result(b: "ProtoBuilder", t: TensorInfo, stride, key, name: str, category: str) -> int:
+    """An uninitialised full-size tensor like ``t`` with ``stride`` (`full_stride`),
+    made before a split region's first part: each part writes its slice of it."""
+    kw = {"dtype": t.dtype, "layout": torch.strided, "device": torch.device("cpu"),
+          "pin_memory": False}
+    info = tensor_info(t.shape, t, stride=stride)
+    if tuple(stride) == tuple(contiguous(t.shape)):
+        return b.op("aten.empty.memory_format", aten.empty.memory_format, [list(t.shape)], kw,
+                    [info], key, name, category)
+    return b.op("aten.empty_strided.default", aten.empty_strided.default,
+                [list(t.shape), list(stride)], kw, [info], key, name, category)

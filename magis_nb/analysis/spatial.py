@@ -43,7 +43,8 @@ from ..ir.graph import Graph, Node, Ref, Region, TensorInfo, contiguous, iter_re
 from .ftrans import reentered, region_outputs, weak_pieces
 from .halo import HALO_TARGETS, Window, spatial_dims, window
 from .dims_base import Bound
-from .proto import External, ProtoBuilder
+from .proto import (External, ProtoBuilder, full_result, full_stride, layout_seen, order_after,
+                    tensor_info)
 
 aten = torch.ops.aten
 # the image dims' names, by tensor rank (NCL, NCHW, NCDHW)
@@ -189,13 +190,6 @@ def _inside(wins: dict[int, Window], rng: dict, size) -> dict | None:
     return out
 
 
-def _tinfo(shape, like: TensorInfo, alias=None, stride=None) -> TensorInfo:
-    shape = tuple(shape)
-    item = torch.empty((), dtype=like.dtype).element_size()
-    return TensorInfo(shape, like.dtype, 0 if alias is not None else math.prod(shape) * item, alias,
-                      None if stride is None else tuple(stride))
-
-
 class _Tiles:
     """Expanding one tiled region into a ProtoBuilder (Note [tiles with halos])."""
 
@@ -222,7 +216,7 @@ class _Tiles:
         shape = list(shape)
         shape[d] = length
         nid = self.add("aten.narrow.default", aten.narrow.default, [src, d, start, length], {},
-                       [_tinfo(shape, like, alias=src)], k, name, cat)
+                       [tensor_info(shape, like, alias=src)], k, name, cat)
         return Ref(nid, 0), tuple(shape)
 
     def part_shapes(self, node: Node, args, kwargs):
@@ -254,19 +248,10 @@ class _Tiles:
         """The full-size result of output ``r``, laid out as the output it stands
         for where later ops see its strides (views traced on a permuted layout:
         rotary embeddings on [B, H, S, D] made by a transpose), as in apply.py."""
-        from .apply import _full_stride, _layout_seen
         t, node = self.g.tensor(r), self.g.nodes[r.node]
-        st = _full_stride(t) if _layout_seen(self.g, r, self.t.ops) else tuple(contiguous(t.shape))
+        st = full_stride(t) if layout_seen(self.g, r, self.t.ops) else tuple(contiguous(t.shape))
         self.full_st[r] = st
-        kw = {"dtype": t.dtype, "layout": torch.strided, "device": torch.device("cpu"),
-              "pin_memory": False}
-        if st == tuple(contiguous(t.shape)):
-            return self.b.op("aten.empty.memory_format", aten.empty.memory_format, [list(t.shape)],
-                             kw, [_tinfo(t.shape, t, stride=st)], self.key(0, 0),
-                             node.name + "_full", node.category)
-        return self.b.op("aten.empty_strided.default", aten.empty_strided.default,
-                         [list(t.shape), list(st)], kw, [_tinfo(t.shape, t, stride=st)],
-                         self.key(0, 0), node.name + "_full", node.category)
+        return full_result(self.b, t, st, self.key(0, 0), node.name + "_full", node.category)
 
     def run_tile(self, k: int, tile: tuple[int, ...], dest: dict[Ref, int],
                  writes: dict[Ref, list[int]]) -> None:
@@ -300,7 +285,7 @@ class _Tiles:
                     fid = self.add("aten.full.default", aten.full.default, [shape, w0.pad],
                                    {"dtype": tt.dtype, "layout": torch.strided,
                                     "device": torch.device("cpu"), "pin_memory": False},
-                                   [_tinfo(shape, tt)], k, f"{node.name}_pad{k}", node.category)
+                                   [tensor_info(shape, tt)], k, f"{node.name}_pad{k}", node.category)
                     lo_fed[j] = {d: need[d][0] for d in wd}
                     new_refs.append(Ref(fid, 0))
                     continue
@@ -330,13 +315,13 @@ class _Tiles:
                         flat += list(pads.get(d, (0, 0)))
                     shape = tuple(s + sum(pads.get(d, (0, 0))) for d, s in enumerate(shape))
                     pid = self.add("aten.constant_pad_nd.default", aten.constant_pad_nd.default,
-                                   [src, flat, w0.pad], {}, [_tinfo(shape, g.tensor(r))], k,
+                                   [src, flat, w0.pad], {}, [tensor_info(shape, g.tensor(r))], k,
                                    f"{node.name}_pad{k}", node.category)
                     src = Ref(pid, 0)
                 elif w0.dense and self.is_view(src):
                     cid = self.add("aten.clone.default", aten.clone.default, [src],
                                    {"memory_format": torch.contiguous_format},
-                                   [_tinfo(shape, g.tensor(r))], k, f"{node.name}_d{k}",
+                                   [tensor_info(shape, g.tensor(r))], k, f"{node.name}_d{k}",
                                    node.category)
                     src = Ref(cid, 0)
                 lo_fed[j] = {d: need[d][0] for d in wd}   # padding rows included
@@ -354,7 +339,7 @@ class _Tiles:
             # statistics: empty on the CPU, per channel on the meta device) is
             # the whole op's; a max pool's indices are the tile's
             outs = [None if tt is None or s is None else
-                    tt if i and len(tt.shape) != len(node.outputs[0].shape) else _tinfo(s, tt)
+                    tt if i and len(tt.shape) != len(node.outputs[0].shape) else tensor_info(s, tt)
                     for i, (tt, s) in enumerate(zip(node.outputs, shapes))]
             nid = self.add(node.target, node.op, args, kwargs, outs, k,
                            f"{node.name}_t{k}", node.category)
@@ -378,7 +363,7 @@ class _Tiles:
                                          f"{nm}_x{k}", cat)
                 dst, dshape = self.narrow(dst, full, dshape, d, a, e - a, k, f"{nm}_w{k}", cat)
             writes[r].append(self.add("aten.copy_.default", aten.copy_.default, [dst, src], {},
-                                      [_tinfo(dshape, full, alias=dst)], k, f"{nm}_c{k}", cat))
+                                      [tensor_info(dshape, full, alias=dst)], k, f"{nm}_c{k}", cat))
 
     def is_view(self, r: Ref) -> bool:
         if isinstance(r, External):
@@ -408,7 +393,6 @@ class _Tiles:
 
 def expand_tiles(b: ProtoBuilder, g: Graph, ops, dims, n: int, rid: int, joined: dict) -> None:
     """Add the tiled region's parts to ``b``; its outputs' full results go into ``joined``."""
-    from .apply import _order_after
     t = tiling(g, ops, dims)
     if isinstance(t, str):
         raise ValueError(f"invalid tiled region: {t}")
@@ -420,12 +404,12 @@ def expand_tiles(b: ProtoBuilder, g: Graph, ops, dims, n: int, rid: int, joined:
         first = len(b.nodes)
         x.run_tile(k, tile, dest, writes)
         if prev is not None:
-            _order_after(b, first, prev)
+            order_after(b, first, prev)
         prev = len(b.nodes) - 1
     for r in t.outputs:
         tt, node = g.tensor(r), g.nodes[r.node]
         j = b.op("aten.alias.default", aten.alias.default, [Ref(dest[r], 0)], {},
-                 [_tinfo(tt.shape, tt, alias=Ref(dest[r], 0), stride=x.full_st[r])], x.key(2, 0),
+                 [tensor_info(tt.shape, tt, alias=Ref(dest[r], 0), stride=x.full_st[r])], x.key(2, 0),
                  node.name,
                  node.category, deps=writes[r])
         joined[r] = Ref(j, 0)
