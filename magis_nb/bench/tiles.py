@@ -2,9 +2,9 @@
 
 The zoo's U-Net (BatchNorm, eval mode: its statistics are fixed, so batch norm
 is elementwise) at --base channels and --depth levels, one image of --sizes
-pixels square, `mode="infer"`; ``--volume``: a 3-D U-Net of the same layout
-(Conv3d, BatchNorm3d, MaxPool3d, ConvTranspose3d) on one volume of --sizes
-voxels a side, as in medical image segmentation. For each size: eager's step, and the plan the
+pixels square, `mode="infer"`; ``--volume``: the same U-Net in three dimensions
+(``UNet(dims=3)``: Conv3d, BatchNorm3d, MaxPool3d, ConvTranspose3d) on one
+one-channel volume of --sizes voxels a side, as in medical image segmentation. For each size: eager's step, and the plan the
 search finds for ``mem_budget=--budget`` (a ratio of eager's simulated peak;
 swap off: on the CPU host and device memory are the same RAM). The search
 reaches tiles through the F-Tree's spatial candidates (Note [tiles with halos]
@@ -25,40 +25,8 @@ import time
 
 import torch
 
-from torch import nn
-
 from ..zoo.unet import UNet
 from .common import fixed_threads, parser, table, write_json
-
-
-class UNet3d(nn.Module):
-    """The zoo U-Net's layout in three dimensions (no zoo model: volumes are
-    where tiles matter most, and nothing else here is 3-D)."""
-
-    def __init__(self, base: int, depth: int, classes: int, in_ch: int = 1):
-        super().__init__()
-
-        def double(a, b):
-            return nn.Sequential(nn.Conv3d(a, b, 3, padding=1, bias=False), nn.BatchNorm3d(b),
-                                 nn.ReLU(), nn.Conv3d(b, b, 3, padding=1, bias=False),
-                                 nn.BatchNorm3d(b), nn.ReLU())
-        ch = [base * 2**i for i in range(depth + 1)]
-        self.inc = double(in_ch, ch[0])
-        self.down = nn.ModuleList(nn.Sequential(nn.MaxPool3d(2), double(ch[i], ch[i + 1]))
-                                  for i in range(depth))
-        self.up = nn.ModuleList(nn.ConvTranspose3d(ch[i + 1], ch[i], 2, stride=2)
-                                for i in reversed(range(depth)))
-        self.dec = nn.ModuleList(double(2 * ch[i], ch[i]) for i in reversed(range(depth)))
-        self.outc = nn.Conv3d(ch[0], classes, 1)
-
-    def forward(self, x):
-        skips = [self.inc(x)]
-        for down in self.down:
-            skips.append(down(skips[-1]))
-        x = skips.pop()
-        for up, dec in zip(self.up, self.dec):
-            x = dec(torch.cat([skips.pop(), up(x)], 1))
-        return self.outc(x)
 
 
 def _timed(fn) -> float:
@@ -75,7 +43,7 @@ def run_size(size: int, base: int, depth: int, budget: float, time_budget: float
 
     torch.manual_seed(0)
     if volume:
-        model = UNet3d(base, depth, 2).eval()
+        model = UNet(base, depth, 2, in_ch=1, dims=3).eval()
         x = torch.randn(1, 1, size, size, size)
     else:
         model = UNet(base, depth, 2).eval()

@@ -25,29 +25,35 @@ BENCH = dict(batch=12, image=128, base=16, depth=4, classes=2)  # `bench peers`:
 GPU = dict(batch=16, image=256, base=32, depth=4, classes=2)   # `bench gpu`: a few GB
 
 
-def double_conv(cin: int, cout: int, norm: bool = True) -> nn.Sequential:
-    """conv-BN-ReLU twice; ``norm=False``: conv (with a bias)-ReLU twice."""
+def double_conv(cin: int, cout: int, norm: bool = True, dims: int = 2) -> nn.Sequential:
+    """conv-BN-ReLU twice; ``norm=False``: conv (with a bias)-ReLU twice.
+    ``dims``: 2 for images, 3 for volumes (Conv3d, BatchNorm3d)."""
+    conv, bn = getattr(nn, f"Conv{dims}d"), getattr(nn, f"BatchNorm{dims}d")
     layers = []
     for a in (cin, cout):
         if norm:
-            layers += [nn.Conv2d(a, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout)]
+            layers += [conv(a, cout, 3, padding=1, bias=False), bn(cout)]
         else:
-            layers.append(nn.Conv2d(a, cout, 3, padding=1))
+            layers.append(conv(a, cout, 3, padding=1))
         layers.append(nn.ReLU(inplace=True))
     return nn.Sequential(*layers)
 
 
 class UNet(nn.Module):
-    def __init__(self, base: int, depth: int, classes: int, in_ch: int = 3, norm: bool = True):
+    """``dims=3``: the same layout for volumes (the 3-D U-Net of medical imaging)."""
+
+    def __init__(self, base: int, depth: int, classes: int, in_ch: int = 3, norm: bool = True,
+                 dims: int = 2):
         super().__init__()
+        pool, up = getattr(nn, f"MaxPool{dims}d"), getattr(nn, f"ConvTranspose{dims}d")
         ch = [base * 2**i for i in range(depth + 1)]
-        self.inc = double_conv(in_ch, ch[0], norm)
+        self.inc = double_conv(in_ch, ch[0], norm, dims)
         self.down = nn.ModuleList(
-            nn.Sequential(nn.MaxPool2d(2), double_conv(ch[i], ch[i + 1], norm)) for i in range(depth)
+            nn.Sequential(pool(2), double_conv(ch[i], ch[i + 1], norm, dims)) for i in range(depth)
         )
-        self.up = nn.ModuleList(nn.ConvTranspose2d(ch[i + 1], ch[i], 2, stride=2) for i in reversed(range(depth)))
-        self.dec = nn.ModuleList(double_conv(2 * ch[i], ch[i], norm) for i in reversed(range(depth)))
-        self.outc = nn.Conv2d(ch[0], classes, 1)
+        self.up = nn.ModuleList(up(ch[i + 1], ch[i], 2, stride=2) for i in reversed(range(depth)))
+        self.dec = nn.ModuleList(double_conv(2 * ch[i], ch[i], norm, dims) for i in reversed(range(depth)))
+        self.outc = getattr(nn, f"Conv{dims}d")(ch[0], classes, 1)
 
     def forward(self, x):
         skips = [self.inc(x)]
