@@ -151,9 +151,10 @@ def test_chain_remat_lowers_the_peak_exactly_and_merges_back():
                                          ("unet", "aten.relu.default")])
 def test_chain_remat_of_attention_and_conv_blocks_matches_eager(name, target, one_thread):
     """Softmax recomputed from the saved q, k (bmm, view, scale, mask) and ReLU
-    from the saved conv output (through BatchNorm, whose running stats the copy
-    computes again and drops) for every backward reader: the step equals eager's
-    (buffers included) at exactly the simulated, lower peak."""
+    from the saved conv output (through BatchNorm, which the copy normalizes with
+    the statistics the original saved: Note [BatchNorm recomputed from its
+    statistics]) for every backward reader: the step equals eager's (buffers
+    included) at exactly the simulated, lower peak."""
     from magis_nb import zoo
     from magis_nb.rules.remat import chain_to_live, rematerialize_all
     from magis_nb.verify import Reference
@@ -174,3 +175,47 @@ def test_chain_remat_of_attention_and_conv_blocks_matches_eager(name, target, on
     chk = Reference(case.model, case.inputs, case.loss_fn, "train").check(p2.module())
     assert chk.comparison.allclose, chk.comparison.mismatches
     assert chk.measured_peak == p2.simulate().peak < prog.simulate().peak
+    copies = [n.target for n in p2.graph.ops if n.name.endswith("_re")]
+    if name == "unet":      # no training BatchNorm runs twice (running stats once)
+        assert "aten._native_batch_norm_legit_no_training.default" in copies
+        assert not any("functional" in t for t in copies)
+
+
+def test_batchnorm_recompute_normalizes_from_saved_statistics(one_thread):
+    """A training BatchNorm's copy is the eval-mode normalize of the saved batch
+    statistics: the same output (to float rounding) as the training op, for
+    BatchNorm with and without running stats and without affine weights; it is
+    priced alone as its two ops, cheaper than the training op."""
+    from magis_nb.rules.remat import normalizes_from_stats, recompute_graph, rematerialize_all
+    from magis_nb.simulate.measured import MeasuredCost
+    from magis_nb.verify import Reference
+
+    for bn in (nn.BatchNorm2d(6), nn.BatchNorm2d(6, track_running_stats=False),
+               nn.BatchNorm2d(6, affine=False)):
+        model = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), bn, nn.ReLU(), nn.Conv2d(6, 4, 3))
+        inputs = (torch.randn(8, 3, 32, 32), torch.randn(8, 4, 30, 30))
+        loss = lambda out, t: (out - t).square().mean()      # noqa: E731
+        prog = trace(model, inputs, loss_fn=loss)
+        g, rd = prog.graph, prog.graph.readers()
+        norm = next(n for n in g.ops if normalizes_from_stats(n))
+        relu = next(n for n in g.ops if n.target == "aten.relu.default")
+        late = {u for u in rd[Ref(relu.id, 0)] if g.nodes[u].category == "gradient"}
+        g2 = rematerialize_all(g, [(relu.id, late, (norm.id,))])
+        targets = [n.target for n in g2.ops if n.name.endswith(("_re", "_var"))
+                   and n.target != "aten.detach.default"]     # detach: views rebuilt on the copy
+        assert targets == ["aten.pow.Tensor_Scalar",
+                           "aten._native_batch_norm_legit_no_training.default", "aten.relu.default"]
+        p2 = prog.with_graph(g2)
+        chk = Reference(model, inputs, loss, "train").check(p2.module())
+        assert chk.comparison.allclose, chk.comparison.mismatches
+        assert chk.measured_peak == p2.simulate().peak
+        alone = recompute_graph(g, norm.id)
+        assert [n.target for n in alone.ops] == targets[:2]
+    big = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8))
+    prog = trace(big, (torch.randn(16, 8, 96, 96), torch.randn(16, 8, 96, 96)),
+                 loss_fn=lambda out, t: (out * t).sum())
+    g = prog.graph
+    norm = next(n for n in g.ops if normalizes_from_stats(n))
+    cost = MeasuredCost("cpu")
+    alone = recompute_graph(g, norm.id)
+    assert sum(cost.op_cost(alone, n.id) for n in alone.ops) < cost.op_cost(g, norm.id)

@@ -259,3 +259,35 @@ def test_enable_top_takes_the_best_scoring_candidate_that_fits():
     # the least n > 1 that divides max_n
     space.cands[1].max_n = 9
     assert _enable_top(space, _fission_st((), 1, 1.0)) == ((1, 3),)
+
+
+def test_an_op_with_several_hot_outputs_is_one_remat(one_thread):
+    """U-Net's max pools keep values and indices (int64) alive to the backward:
+    one remat recomputes both, for all their later readers (two remats of one op
+    in a batch would be refused). The batch of every proposed remat runs equal
+    to eager at exactly its simulated peak."""
+    from magis_nb import zoo
+    from magis_nb.search.pricing import ranked
+    from magis_nb.search.space import Batch, Space
+    from magis_nb.simulate.cost import make_cost
+    from magis_nb.runtime import OptimizedModule
+    from magis_nb.verify import Reference
+    case = zoo.build("unet", "tiny")
+    prog = trace(case.model, case.inputs, loss_fn=case.loss_fn)
+    space = Space(prog, make_cost("rtx3090"), async_copies=True, swap=False)
+    root = space.evaluate((), (), prog.graph)
+    _, remats = ranked(space, root)
+    ops = [s.op for s in remats]
+    assert len(ops) == len(set(ops))
+    pools = [s for s in remats if s.op.startswith("max_pool2d_with_indices")]
+    assert pools and all(any(u.startswith("max_pool2d_with_indices_backward") for u in s.users)
+                         and any(u.startswith("convolution_backward") for u in s.users)
+                         for s in pools)
+    g, kept = space.build((), (Batch("remat", frozenset(remats)),))
+    assert kept[0].specs == frozenset(remats)
+    st = space.evaluate((), kept, g)
+    assert st.peak < root.peak
+    mod = OptimizedModule(prog.model, prog.captured, g, st.order)
+    chk = Reference(case.model, case.inputs, case.loss_fn, "train").check(mod)
+    assert chk.comparison.allclose, chk.comparison.mismatches
+    assert chk.measured_peak == st.peak

@@ -14,7 +14,7 @@ def ranked(space: Space, st: State) -> tuple[list[Swap], list[Remat]]:
 
     A swap costs the part of its Store + Load that the compute between the
     tensor's last use before the peak and its first use after it cannot hide
-    (all of it where copies are synchronous). A remat costs its op again, and is
+    (all of it where copies are synchronous). A remat costs its op again (`_CostTable.recompute`), and is
     only proposed when the op's inputs are live at the peak anyway (resident, or
     hot themselves), or can be recomputed from such through a short chain of
     ops, whose cost it adds: keeping a dead input alive for the recompute would
@@ -30,6 +30,7 @@ def ranked(space: Space, st: State) -> tuple[list[Swap], list[Remat]]:
     hot_bases = {r for _, r in st.hot}
     written = written_in_place(g)
     swaps, remats = [], []
+    per_op: dict[int, tuple] = {}  # op -> (hot bytes, later users, read before the peak)
     for size, r in st.hot:
         readers = rd.get(r, set())
         if any(is_store(g, u) for u in readers):
@@ -48,14 +49,19 @@ def ranked(space: Space, st: State) -> tuple[list[Swap], list[Remat]]:
         gap = prefix[first_after] - prefix[last_before + 1]
         exposed = max(0.0, xfer - gap) if space.async_copies else xfer
         swaps.append((exposed / size, -size, len(swaps), Swap(src, r.out, names)))
-        # Recomputing an op whose output nobody reads before the peak only moves
-        # it (the scheduler's job), and leaves a dead original behind.
-        if before and can_rematerialize(g, r.node) is None:
-            chain = chain_to_live(g, r.node, hot_bases)
+        # Several hot outputs of one op (max pool's values and indices) make
+        # one remat, for all their later users.
+        size0, users0, before0 = per_op.get(r.node, (0, frozenset(), False))
+        per_op[r.node] = (size0 + size, users0 | names, before0 or bool(before))
+    for a, (size, names, before) in per_op.items():
+        # Recomputing an op whose outputs nobody reads before the peak only
+        # moves it (the scheduler's job), and leaves a dead original behind.
+        if before and can_rematerialize(g, a) is None:
+            chain = chain_to_live(g, a, hot_bases)
             if chain is not None:
-                cost = sum(costs.of(g, v) for v in chain + [r.node])
+                cost = sum(costs.recompute(g, v) for v in chain + [a])
                 remats.append((cost / size, -size, len(remats),
-                               Remat(src, names, tuple(g.nodes[v].name for v in chain))))
+                               Remat(g.nodes[a].name, names, tuple(g.nodes[v].name for v in chain))))
     remats = compatible(g, [t[-1] for t in sorted(remats)])
     return ([t[-1] for t in sorted(swaps)] if space.swap else []), remats
 

@@ -24,7 +24,7 @@ from ..ir.digest import graph_digest
 from ..ir.graph import Graph, Ref, iter_refs
 from ..program import Program
 from ..rules.algebra import merge_all, why_not_merge
-from ..rules.remat import can_rematerialize, rematerialize_all, written_in_place
+from ..rules.remat import can_rematerialize, recompute_graph, rematerialize_all, written_in_place
 from ..rules.scale import sink_all, why_not_sink
 from ..rules.swap import swap_all
 from ..schedule import BlockCache, reschedule, schedule
@@ -123,6 +123,19 @@ class _CostTable:
             if v is None:
                 v = self.table[k] = float(self._price(g, nid))
             known[nid] = v
+        return v
+
+    def recompute(self, g: Graph, nid: int) -> float:
+        """Seconds of op ``nid``'s recomputed copy: the op again, or the ops
+        `rules.remat` recomputes it with (a training BatchNorm normalizes from
+        its saved statistics), priced alone."""
+        alone = recompute_graph(g, nid)
+        if alone is None:
+            return self.of(g, nid)
+        key = ("recompute",) + self.key(g, nid)[1:]
+        v = self.table.get(key)
+        if v is None:
+            v = self.table[key] = sum(float(self.cost.op_cost(alone, n.id)) for n in alone.ops)
         return v
 
     def _price(self, g: Graph, nid: int) -> float:
