@@ -37,6 +37,7 @@ import torch
 
 from ..ir.graph import Graph, Node, Ref, TensorInfo, iter_refs, map_refs
 from ..ir.passes import Rewriter, prune_dead_views, writes_into_input
+from ..simulate.cost import is_training_batch_norm
 from .redirect import Redirect
 
 
@@ -104,9 +105,6 @@ def chain_to_live(g: Graph, a: int, live, limit: int = 6) -> list[int] | None:
     return sorted(chain)          # node ids are a topological order
 
 
-# training BatchNorm targets -> the index of their ``training`` argument
-_BN_TRAINING = {"aten._native_batch_norm_legit_functional.default": 5,
-                "aten._native_batch_norm_legit.no_stats": 3}
 _NORMALIZE = torch.ops.aten._native_batch_norm_legit_no_training.default
 _POW = torch.ops.aten.pow.Tensor_Scalar
 
@@ -114,8 +112,7 @@ _POW = torch.ops.aten.pow.Tensor_Scalar
 def normalizes_from_stats(n: Node) -> bool:
     """Op ``n``'s recompute is the normalize alone (Note [BatchNorm recomputed
     from its statistics])."""
-    i = _BN_TRAINING.get(n.target)
-    return i is not None and len(n.args) == i + 3 and n.args[i] is True
+    return is_training_batch_norm(n)
 
 
 def _add_normalize(rw: Rewriter, src: Node, fix) -> dict[Ref, Ref]:

@@ -106,8 +106,22 @@ def is_free(node: Node) -> bool:
     return all(t.alias is not None for t in outs) and not _mutates(node)
 
 
+# training BatchNorm targets -> the index of their ``training`` argument
+_BN_TRAINING = {"aten._native_batch_norm_legit_functional.default": 5,
+                "aten._native_batch_norm_legit.no_stats": 3}
+
+
+def is_training_batch_norm(node: Node) -> bool:
+    """A BatchNorm forward that takes its statistics from the batch."""
+    i = _BN_TRAINING.get(node.target)
+    return i is not None and len(node.args) == i + 3 and node.args[i] is True
+
+
 def op_bytes(graph: Graph, node: Node | int) -> int:
-    """Bytes the op moves: distinct inputs read + outputs written (0 when free)."""
+    """Bytes the op moves: distinct inputs read + outputs written (0 when free).
+    A training BatchNorm reads its input twice: once for the batch statistics
+    and once to normalize (CUDA's batch_norm_stats, then batch_norm_elemt; the
+    eval-mode kernel makes the one pass)."""
     n = node_of(graph, node)
     if is_free(n):
         return 0
@@ -120,6 +134,8 @@ def op_bytes(graph: Graph, node: Node | int) -> int:
         if n.target == "aten.embedding.default" and r == _first_ref(n.args):
             b = min(b, out_bytes)      # a gather reads only the rows it returns
         total += b
+    if is_training_batch_norm(n):
+        total += _touched_bytes(graph, n.args[0])
     return total + out_bytes
 
 
