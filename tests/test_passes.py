@@ -56,3 +56,28 @@ def test_metadata_asserts_are_dropped_and_the_step_is_unchanged():
     assert len(prog.graph.ops) == len(raw) - raw.count(assert_op)
     chk = check_step(m, (x,), None, "train", lambda _: prog.module(), rtol=0, atol=0)
     assert chk.comparison.allclose, chk.comparison.mismatches
+
+
+def test_low_precision_dropout_noise_does_not_depend_on_its_input():
+    """A bf16 dropout's noise is made from its input's shape and strides, not
+    from the input (as the fp32 mask is): otherwise every region holding the
+    input's producer and the dropout leaves and re-enters itself, and a bf16
+    GPT has no whole-step batch split. Its largest F-Tree candidate covers the
+    step as the fp32 model's does."""
+    from magis_nb import zoo
+    from magis_nb.search.space import Space
+    from magis_nb.simulate.cost import make_cost
+
+    def largest(dtype):
+        case = zoo.build("gpt", "tiny")
+        model = case.model.to(dtype)
+        prog = trace(model, case.inputs, loss_fn=case.loss_fn)
+        ops = prog.graph.ops
+        if dtype == torch.bfloat16:
+            noise = [n for n in ops if n.name.endswith("_noise")]
+            assert noise and all(n.target == "aten.empty_strided.default" for n in noise)
+        space = Space(prog, make_cost("rtx3090"), async_copies=True)
+        return max(len(c.ops) for c in space.cands) / len(ops)
+
+    fp32, bf16 = largest(torch.float32), largest(torch.bfloat16)
+    assert fp32 > 0.7 and bf16 > 0.9 * fp32

@@ -109,20 +109,8 @@ def _dropout_rule(rw: Rewriter, n: Node, low_noise: set[Ref]) -> bool:
     x = rw.fix(n.args[0])
     p = float(n.args[1])
     out_t, mask_t = n.outputs
-    # The mask is laid out like x (empty_like's preserve_format) but made from x's
-    # shape and strides only, so it does not depend on x: drawing it is a side
-    # entry that a fission region reads whole, not a path out of the region and back.
-    xt = rw.g.tensor(n.args[0])
-    if xt.stride is not None and _dense(xt.shape, xt.stride):
-        empty = rw.add(n.name + "_mask", "aten.empty_strided.default", aten.empty_strided.default,
-                       (list(xt.shape), list(xt.stride)),
-                       {"dtype": torch.bool, "layout": torch.strided,
-                        "device": torch.device("cpu"), "pin_memory": False},
-                       [TensorInfo(mask_t.shape, mask_t.dtype, mask_t.nbytes)], n.category)
-    else:
-        empty = rw.add(n.name + "_mask", "aten.empty_like.default", aten.empty_like.default, (x,),
-                       {"dtype": torch.bool}, [TensorInfo(mask_t.shape, mask_t.dtype, mask_t.nbytes)],
-                       n.category)
+    empty = _empty_like_input(rw, n, n.name + "_mask", torch.bool,
+                              TensorInfo(mask_t.shape, mask_t.dtype, mask_t.nbytes))
     draw = rw.add(n.name + "_draw", "aten.bernoulli_.float", aten.bernoulli_.float,
                   (Ref(empty, 0), 1.0 - p), {},
                   [TensorInfo(mask_t.shape, mask_t.dtype, 0, Ref(empty, 0))], n.category, rng=True)
@@ -135,13 +123,30 @@ def _dropout_rule(rw: Rewriter, n: Node, low_noise: set[Ref]) -> bool:
     return True
 
 
+def _empty_like_input(rw: Rewriter, n: Node, name: str, dtype, info: TensorInfo) -> int:
+    """``empty_like(x, dtype=dtype)`` for dropout ``n``'s input x. Where x is
+    dense it is made from x's shape and strides alone (empty_like's
+    preserve_format keeps them), so it does not depend on x: drawing the mask or
+    noise is then a side entry that a fission region reads whole, not a path out
+    of the region and back (which breaks every region holding x's producer and
+    the dropout: the whole-step batch split of a bf16 GPT)."""
+    x = rw.fix(n.args[0])
+    xt = rw.g.tensor(n.args[0])
+    if xt.stride is not None and _dense(xt.shape, xt.stride):
+        return rw.add(name, "aten.empty_strided.default", aten.empty_strided.default,
+                      (list(xt.shape), list(xt.stride)),
+                      {"dtype": dtype, "layout": torch.strided,
+                       "device": torch.device("cpu"), "pin_memory": False}, [info], n.category)
+    return rw.add(name, "aten.empty_like.default", aten.empty_like.default, (x,),
+                  {"dtype": dtype}, [info], n.category)
+
+
 def _low_precision_dropout(rw: Rewriter, n: Node, low_noise: set[Ref]) -> bool:
     """See Note [low-precision dropout]: eager's CPU dropout, op for op."""
     x, p = rw.fix(n.args[0]), float(n.args[1])
     out_t, mask_t = n.outputs
     xt = TensorInfo(out_t.shape, out_t.dtype, out_t.nbytes)
-    empty = rw.add(n.name + "_noise", "aten.empty_like.default", aten.empty_like.default, (x,),
-                   {}, [xt], n.category)
+    empty = _empty_like_input(rw, n, n.name + "_noise", out_t.dtype, xt)
     draw = rw.add(n.name + "_draw", "aten.bernoulli_.float", aten.bernoulli_.float,
                   (Ref(empty, 0), 1.0 - p), {},
                   [TensorInfo(out_t.shape, out_t.dtype, 0, Ref(empty, 0))], n.category, rng=True)
