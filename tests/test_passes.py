@@ -58,12 +58,13 @@ def test_metadata_asserts_are_dropped_and_the_step_is_unchanged():
     assert chk.comparison.allclose, chk.comparison.mismatches
 
 
-def test_low_precision_dropout_noise_does_not_depend_on_its_input():
-    """A bf16 dropout's noise is made from its input's shape and strides, not
-    from the input (as the fp32 mask is): otherwise every region holding the
-    input's producer and the dropout leaves and re-enters itself, and a bf16
-    GPT has no whole-step batch split. Its largest F-Tree candidate covers the
-    step as the fp32 model's does."""
+def test_low_precision_dropout_mask_is_drawn_apart_from_its_input_and_packs():
+    """A bf16 dropout's mask is a bool drawn into a tensor made from its input's
+    shape and strides, not from the input (as the fp32 mask is): otherwise every
+    region holding the input's producer and the dropout leaves and re-enters
+    itself, and a bf16 GPT has no whole-step batch split. Its largest F-Tree
+    candidate covers the step as the fp32 model's does, with a twin that packs
+    the masks 8 to a byte (Note [packed masks])."""
     from magis_nb import zoo
     from magis_nb.search.space import Space
     from magis_nb.simulate.cost import make_cost
@@ -74,10 +75,13 @@ def test_low_precision_dropout_noise_does_not_depend_on_its_input():
         prog = trace(model, case.inputs, loss_fn=case.loss_fn)
         ops = prog.graph.ops
         if dtype == torch.bfloat16:
-            noise = [n for n in ops if n.name.endswith("_noise")]
-            assert noise and all(n.target == "aten.empty_strided.default" for n in noise)
+            masks = [n for n in ops if n.name.endswith("_mask")]
+            assert masks and all(n.target == "aten.empty_strided.default"
+                                 and n.kwargs["dtype"] == torch.bool for n in masks)
         space = Space(prog, make_cost("rtx3090"), async_copies=True)
-        return max(len(c.ops) for c in space.cands) / len(ops)
+        big = max(space.cands, key=lambda c: len(c.ops))
+        assert big.twin is not None and space.cands[big.twin].pack != big.pack
+        return len(big.ops) / len(ops)
 
     fp32, bf16 = largest(torch.float32), largest(torch.bfloat16)
     assert fp32 > 0.7 and bf16 > 0.9 * fp32

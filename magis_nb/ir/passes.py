@@ -16,12 +16,20 @@ Note [low-precision dropout]
 Eager's CPU ``F.dropout`` is not ``native_dropout`` but ATen's ``_dropout``: a
 noise tensor in x's dtype, ``empty_like(x).bernoulli_(1 - p)``, divided in place
 by ``1 - p`` and multiplied into x; the backward multiplies the gradient by the
-same noise. In fp32 the bool-mask form above gives the same numbers; in bf16/fp16
-it does not (the noise is drawn in another dtype and the scale 1/(1-p) is rounded
-to bf16 in eager): under bf16 autocast, GPT-2's gradients were 1.1% of their max
-off eager's (eager's own fp32-vs-bf16 spread: 0.9%). Low-precision dropouts are
-therefore emitted op for op as eager runs them (bit-identical), and their
-``native_dropout_backward`` as ``grad * noise``.
+same noise. In bf16/fp16 the divide rounds the scale 1/(1-p) to x's dtype
+(1.109375 for p = 0.1 in bf16), so the mask form must multiply by that rounded
+scale, not by 1/(1-p): with the unrounded one, GPT-2's gradients under bf16
+autocast were 1.1% of their max off eager's (eager's own fp32-vs-bf16 spread:
+0.9%). With it, ``native_dropout_backward(x, mask, rounded scale)`` (``x * mask
+* scale``, the product in float) equals eager's ``x * noise`` bit for bit, and
+so does the backward's ``grad * mask * scale``: ``bernoulli_`` draws the same
+bits into a bool as into a bf16 or fp16 tensor, and x * 1 and x * 0 are exact
+(checked bitwise on [64, 4, 128, 128] at p 0.1 to 0.9, bf16 and fp16). So a
+low-precision dropout is the fp32 form with the rounded scale, and its bool mask
+packs 8 to a byte in a fission region (Note [packed masks] in analysis/masks.py)
+like any other. (An earlier form drew the noise into ``empty_like(x)``: a path
+out of every region holding x's producer and back in, which left a bf16 GPT
+without its whole-step batch split.)
 
 Note [a mean loss as a sum over the batch]
 A mean NLL loss divides by the total weight of the whole batch, so no part of a
@@ -99,37 +107,46 @@ class Rewriter:
         return Graph(self.nodes, [self.fix(r) for r in self.g.outputs], self.g.output_roles)
 
 
-def _dropout_rule(rw: Rewriter, n: Node, low_noise: set[Ref]) -> bool:
+def _dropout_scale(dtype, p: float) -> float:
+    """What eager's dropout multiplies by: 1/(1-p), rounded to ``dtype`` as
+    ``_dropout``'s in-place divide of its noise rounds it (Note [low-precision
+    dropout])."""
+    if p == 1.0:
+        return 0.0
+    if dtype in (torch.float32, torch.float64):
+        return 1.0 / (1.0 - p)
+    return float(torch.ones((), dtype=dtype).div(1.0 - p).item())
+
+
+def _dropout_rule(rw: Rewriter, n: Node, scales: dict[Ref, float]) -> bool:
     if n.target != "aten.native_dropout.default" or not _train(n):
         return False
     if (n.outputs[0].device or "cpu") not in ("cpu", "meta"):
         return False  # CUDA's fused dropout kernel draws differently: keep it whole
-    if n.outputs[0].dtype not in (torch.float32, torch.float64):
-        return _low_precision_dropout(rw, n, low_noise)
     x = rw.fix(n.args[0])
     p = float(n.args[1])
     out_t, mask_t = n.outputs
     empty = _empty_like_input(rw, n, n.name + "_mask", torch.bool,
-                              TensorInfo(mask_t.shape, mask_t.dtype, mask_t.nbytes))
+                              TensorInfo(mask_t.shape, torch.bool, math.prod(mask_t.shape)))
     draw = rw.add(n.name + "_draw", "aten.bernoulli_.float", aten.bernoulli_.float,
                   (Ref(empty, 0), 1.0 - p), {},
-                  [TensorInfo(mask_t.shape, mask_t.dtype, 0, Ref(empty, 0))], n.category, rng=True)
-    scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
+                  [TensorInfo(mask_t.shape, torch.bool, 0, Ref(empty, 0))], n.category, rng=True)
+    scale = _dropout_scale(out_t.dtype, p)
     apply = rw.add(n.name, "aten.native_dropout_backward.default",
                    aten.native_dropout_backward.default, (x, Ref(draw, 0), scale), {},
                    [TensorInfo(out_t.shape, out_t.dtype, out_t.nbytes)], n.category, keep_name=True)
     rw.remap[Ref(n.id, 0)] = Ref(apply, 0)
     rw.remap[Ref(n.id, 1)] = Ref(draw, 0)
+    scales[Ref(draw, 0)] = scale
     return True
 
 
 def _empty_like_input(rw: Rewriter, n: Node, name: str, dtype, info: TensorInfo) -> int:
     """``empty_like(x, dtype=dtype)`` for dropout ``n``'s input x. Where x is
     dense it is made from x's shape and strides alone (empty_like's
-    preserve_format keeps them), so it does not depend on x: drawing the mask or
-    noise is then a side entry that a fission region reads whole, not a path out
-    of the region and back (which breaks every region holding x's producer and
-    the dropout: the whole-step batch split of a bf16 GPT)."""
+    preserve_format keeps them), so it does not depend on x: drawing the mask is
+    then a side entry that a fission region reads whole, not a path out of the
+    region and back."""
     x = rw.fix(n.args[0])
     xt = rw.g.tensor(n.args[0])
     if xt.stride is not None and _dense(xt.shape, xt.stride):
@@ -141,35 +158,15 @@ def _empty_like_input(rw: Rewriter, n: Node, name: str, dtype, info: TensorInfo)
                   {"dtype": dtype}, [info], n.category)
 
 
-def _low_precision_dropout(rw: Rewriter, n: Node, low_noise: set[Ref]) -> bool:
-    """See Note [low-precision dropout]: eager's CPU dropout, op for op."""
-    x, p = rw.fix(n.args[0]), float(n.args[1])
-    out_t, mask_t = n.outputs
-    xt = TensorInfo(out_t.shape, out_t.dtype, out_t.nbytes)
-    empty = _empty_like_input(rw, n, n.name + "_noise", out_t.dtype, xt)
-    draw = rw.add(n.name + "_draw", "aten.bernoulli_.float", aten.bernoulli_.float,
-                  (Ref(empty, 0), 1.0 - p), {},
-                  [TensorInfo(out_t.shape, out_t.dtype, 0, Ref(empty, 0))], n.category, rng=True)
-    noise = Ref(draw, 0)
-    if p != 1.0:
-        noise = Ref(rw.add(n.name + "_scaled", "aten.div.Scalar", aten.div.Scalar,
-                           (noise, 1.0 - p), {}, [xt], n.category), 0)
-    apply = rw.add(n.name, "aten.mul.Tensor", aten.mul.Tensor, (x, noise), {}, [xt],
-                   n.category, keep_name=True)
-    rw.remap[Ref(n.id, 0)] = Ref(apply, 0)
-    rw.remap[Ref(n.id, 1)] = noise
-    low_noise.add(noise)
-    return True
-
-
-def _low_precision_dropout_backward(rw: Rewriter, n: Node, low_noise: set[Ref]) -> bool:
-    """The backward of `_low_precision_dropout`'s ``x * noise``: ``grad * noise``."""
-    if n.target != "aten.native_dropout_backward.default" or not low_noise:
+def _dropout_backward_rule(rw: Rewriter, n: Node, scales: dict[Ref, float]) -> bool:
+    """A dropout's backward multiplies by the forward's scale (rounded in low
+    precision: Note [low-precision dropout])."""
+    if n.target != "aten.native_dropout_backward.default" or not scales:
         return False
-    noise = rw.fix(n.args[1])
-    if noise not in low_noise:
+    mask = rw.fix(n.args[1])
+    if mask not in scales or n.args[2] == scales[mask]:
         return False
-    nid = rw.add(n.name, "aten.mul.Tensor", aten.mul.Tensor, (rw.fix(n.args[0]), noise), {},
+    nid = rw.add(n.name, n.target, n.op, (rw.fix(n.args[0]), mask, scales[mask]), {},
                  [n.outputs[0]], n.category, keep_name=True)
     rw.remap[Ref(n.id, 0)] = Ref(nid, 0)
     return True
@@ -178,9 +175,9 @@ def _low_precision_dropout_backward(rw: Rewriter, n: Node, low_noise: set[Ref]) 
 def decompose_dropout(g: Graph) -> Graph:
     if not any(n.target == "aten.native_dropout.default" and _train(n) for n in g.nodes):
         return g
-    noise: set[Ref] = set()       # the scaled noise of each low-precision dropout
-    return Rewriter(g).run(lambda rw, n: _dropout_rule(rw, n, noise)
-                           or _low_precision_dropout_backward(rw, n, noise))
+    scales: dict[Ref, float] = {}      # each drawn mask -> the scale its dropout multiplies by
+    return Rewriter(g).run(lambda rw, n: _dropout_rule(rw, n, scales)
+                           or _dropout_backward_rule(rw, n, scales))
 
 
 def _loss_refs(g: Graph) -> set:
