@@ -14,11 +14,12 @@ def ranked(space: Space, st: State) -> tuple[list[Swap], list[Remat]]:
 
     A swap costs the part of its Store + Load that the compute between the
     tensor's last use before the peak and its first use after it cannot hide
-    (all of it where copies are synchronous). A remat costs its op again (`_CostTable.recompute`), and is
-    only proposed when the op's inputs are live at the peak anyway (resident, or
-    hot themselves), or can be recomputed from such through a short chain of
+    (all of it where copies are synchronous). A remat costs its recomputed op
+    (`_CostTable.recompute`: a training BatchNorm's is the normalize alone), and
+    is only proposed when the op's inputs are live at the peak anyway (resident,
+    or hot themselves), or can be recomputed from such through a short chain of
     ops, whose cost it adds: keeping a dead input alive for the recompute would
-    eat the gain. With ``space.swap`` off no swap is proposed.
+    eat the gain. Several hot outputs of one op make one remat. With ``space.swap`` off no swap is proposed.
     """
     g = st.graph
     pos = {v: i for i, v in enumerate(st.order)}
