@@ -181,7 +181,7 @@ def test_chain_remat_of_attention_and_conv_blocks_matches_eager(name, target, on
         assert not any("functional" in t for t in copies)
 
 
-def test_batchnorm_recompute_normalizes_from_saved_statistics(one_thread):
+def test_batchnorm_recompute_normalizes_from_saved_statistics(one_thread, tmp_path):
     """A training BatchNorm's copy is the eval-mode normalize of the saved batch
     statistics: the same output (to float rounding) as the training op, for
     BatchNorm with and without running stats and without affine weights; it is
@@ -216,6 +216,6 @@ def test_batchnorm_recompute_normalizes_from_saved_statistics(one_thread):
                  loss_fn=lambda out, t: (out * t).sum())
     g = prog.graph
     norm = next(n for n in g.ops if normalizes_from_stats(n))
-    cost = MeasuredCost("cpu")
+    cost = MeasuredCost("cpu", cache_dir=tmp_path)
     alone = recompute_graph(g, norm.id)
     assert sum(cost.op_cost(alone, n.id) for n in alone.ops) < cost.op_cost(g, norm.id)
