@@ -186,7 +186,8 @@ def test_batchnorm_recompute_normalizes_from_saved_statistics(one_thread, tmp_pa
     statistics: the same output (to float rounding) as the training op, for
     BatchNorm with and without running stats and without affine weights; it is
     priced alone as its two ops, cheaper than the training op."""
-    from magis_nb.rules.remat import normalizes_from_stats, recompute_graph, rematerialize_all
+    from magis_nb.rules.remat import recompute_graph, rematerialize_all
+    from magis_nb.simulate.cost import is_training_batch_norm
     from magis_nb.simulate.measured import MeasuredCost
     from magis_nb.verify import Reference
 
@@ -197,7 +198,7 @@ def test_batchnorm_recompute_normalizes_from_saved_statistics(one_thread, tmp_pa
         loss = lambda out, t: (out - t).square().mean()      # noqa: E731
         prog = trace(model, inputs, loss_fn=loss)
         g, rd = prog.graph, prog.graph.readers()
-        norm = next(n for n in g.ops if normalizes_from_stats(n))
+        norm = next(n for n in g.ops if is_training_batch_norm(n))
         relu = next(n for n in g.ops if n.target == "aten.relu.default")
         late = {u for u in rd[Ref(relu.id, 0)] if g.nodes[u].category == "gradient"}
         g2 = rematerialize_all(g, [(relu.id, late, (norm.id,))])
@@ -215,7 +216,7 @@ def test_batchnorm_recompute_normalizes_from_saved_statistics(one_thread, tmp_pa
     prog = trace(big, (torch.randn(16, 8, 96, 96), torch.randn(16, 8, 96, 96)),
                  loss_fn=lambda out, t: (out * t).sum())
     g = prog.graph
-    norm = next(n for n in g.ops if normalizes_from_stats(n))
+    norm = next(n for n in g.ops if is_training_batch_norm(n))
     cost = MeasuredCost("cpu", cache_dir=tmp_path)
     alone = recompute_graph(g, norm.id)
     assert sum(cost.op_cost(alone, n.id) for n in alone.ops) < cost.op_cost(g, norm.id)

@@ -179,6 +179,7 @@ def order_after(b: ProtoBuilder, first: int, prev_last: int) -> None:
         if not inner:
             node.deps = tuple(node.deps) + (prev_last,)
 
+
 def full_result(b: "ProtoBuilder", t: TensorInfo, stride, key, name: str, category: str) -> int:
     """An uninitialised full-size tensor like ``t`` with ``stride`` (`full_stride`),
     made before a split region's first part: each part writes its slice of it."""

@@ -126,11 +126,23 @@ def _dropout_rule(rw: Rewriter, n: Node, scales: dict[Ref, float]) -> bool:
     x = rw.fix(n.args[0])
     p = float(n.args[1])
     out_t, mask_t = n.outputs
-    empty = _empty_like_input(rw, n, n.name + "_mask", torch.bool,
-                              TensorInfo(mask_t.shape, torch.bool, math.prod(mask_t.shape)))
+    # The mask is laid out like x (empty_like's preserve_format) but made from x's
+    # shape and strides only, so it does not depend on x: drawing it is a side
+    # entry that a fission region reads whole, not a path out of the region and back.
+    xt = rw.g.tensor(n.args[0])
+    if xt.stride is not None and _dense(xt.shape, xt.stride):
+        empty = rw.add(n.name + "_mask", "aten.empty_strided.default", aten.empty_strided.default,
+                       (list(xt.shape), list(xt.stride)),
+                       {"dtype": torch.bool, "layout": torch.strided,
+                        "device": torch.device("cpu"), "pin_memory": False},
+                       [TensorInfo(mask_t.shape, mask_t.dtype, mask_t.nbytes)], n.category)
+    else:
+        empty = rw.add(n.name + "_mask", "aten.empty_like.default", aten.empty_like.default, (x,),
+                       {"dtype": torch.bool}, [TensorInfo(mask_t.shape, mask_t.dtype, mask_t.nbytes)],
+                       n.category)
     draw = rw.add(n.name + "_draw", "aten.bernoulli_.float", aten.bernoulli_.float,
                   (Ref(empty, 0), 1.0 - p), {},
-                  [TensorInfo(mask_t.shape, torch.bool, 0, Ref(empty, 0))], n.category, rng=True)
+                  [TensorInfo(mask_t.shape, mask_t.dtype, 0, Ref(empty, 0))], n.category, rng=True)
     scale = _dropout_scale(out_t.dtype, p)
     apply = rw.add(n.name, "aten.native_dropout_backward.default",
                    aten.native_dropout_backward.default, (x, Ref(draw, 0), scale), {},
@@ -139,23 +151,6 @@ def _dropout_rule(rw: Rewriter, n: Node, scales: dict[Ref, float]) -> bool:
     rw.remap[Ref(n.id, 1)] = Ref(draw, 0)
     scales[Ref(draw, 0)] = scale
     return True
-
-
-def _empty_like_input(rw: Rewriter, n: Node, name: str, dtype, info: TensorInfo) -> int:
-    """``empty_like(x, dtype=dtype)`` for dropout ``n``'s input x. Where x is
-    dense it is made from x's shape and strides alone (empty_like's
-    preserve_format keeps them), so it does not depend on x: drawing the mask is
-    then a side entry that a fission region reads whole, not a path out of the
-    region and back."""
-    x = rw.fix(n.args[0])
-    xt = rw.g.tensor(n.args[0])
-    if xt.stride is not None and _dense(xt.shape, xt.stride):
-        return rw.add(name, "aten.empty_strided.default", aten.empty_strided.default,
-                      (list(xt.shape), list(xt.stride)),
-                      {"dtype": dtype, "layout": torch.strided,
-                       "device": torch.device("cpu"), "pin_memory": False}, [info], n.category)
-    return rw.add(name, "aten.empty_like.default", aten.empty_like.default, (x,),
-                  {"dtype": dtype}, [info], n.category)
 
 
 def _dropout_backward_rule(rw: Rewriter, n: Node, scales: dict[Ref, float]) -> bool:

@@ -109,12 +109,6 @@ _NORMALIZE = torch.ops.aten._native_batch_norm_legit_no_training.default
 _POW = torch.ops.aten.pow.Tensor_Scalar
 
 
-def normalizes_from_stats(n: Node) -> bool:
-    """Op ``n``'s recompute is the normalize alone (Note [BatchNorm recomputed
-    from its statistics])."""
-    return is_training_batch_norm(n)
-
-
 def _add_normalize(rw: Rewriter, src: Node, fix) -> dict[Ref, Ref]:
     """``src``'s recompute (a training BatchNorm) added to ``rw``: the variance
     from the saved inverse std, then the eval-mode normalize. ``fix`` maps the
@@ -141,7 +135,7 @@ def recompute_graph(g: Graph, v: int) -> Graph | None:
     """The ops op ``v``'s recompute runs, alone in a graph of their inputs (for
     pricing it), when they are not ``v`` itself; else None."""
     src = g.nodes[v]
-    if not normalizes_from_stats(src):
+    if not is_training_batch_norm(src):
         return None
     rw = Rewriter(Graph([], [], []))
     rw.taken = set()
@@ -202,7 +196,7 @@ def rematerialize_all(g: Graph, specs: Iterable[tuple]) -> Graph:
 
             for v in chain + (a,):
                 src = g.nodes[v]
-                if normalizes_from_stats(src):
+                if is_training_batch_norm(src):
                     made.update(_add_normalize(rw, src, fix))
                     continue
                 new_outs = [None if t is None else dataclasses.replace(

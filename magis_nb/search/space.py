@@ -28,6 +28,7 @@ from ..rules.remat import can_rematerialize, recompute_graph, rematerialize_all,
 from ..rules.scale import sink_all, why_not_sink
 from ..rules.swap import swap_all
 from ..schedule import BlockCache, reschedule, schedule
+from ..simulate.cost import is_training_batch_norm
 from ..simulate.latency import simulate_latency
 from ..simulate.memory import simulate_memory
 from .transfers import is_load, is_store, place_transfers, transfers_of
@@ -129,12 +130,12 @@ class _CostTable:
         """Seconds of op ``nid``'s recomputed copy: the op again, or the ops
         `rules.remat` recomputes it with (a training BatchNorm normalizes from
         its saved statistics), priced alone."""
-        alone = recompute_graph(g, nid)
-        if alone is None:
+        if not is_training_batch_norm(g.nodes[nid]):
             return self.of(g, nid)
         key = ("recompute",) + self.key(g, nid)[1:]
         v = self.table.get(key)
         if v is None:
+            alone = recompute_graph(g, nid)
             v = self.table[key] = sum(float(self.cost.op_cost(alone, n.id)) for n in alone.ops)
         return v
 
