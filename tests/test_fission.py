@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from magis_nb.analysis import DGraph, apply_fission, build_ftree, check, max_parts, mutations
-from magis_nb.analysis.ftrans import FTrans, divisors
+from magis_nb.analysis.ftrans import FTrans, divisors, plan_outputs
 from magis_nb.analysis.ftree import Candidate
 from magis_nb.program import trace
 from magis_nb.runtime import measure_cpu
@@ -370,3 +370,36 @@ def test_split_weight_gradients_accumulate_in_the_matmul():
     chk = ref.check(split.module())
     assert chk.comparison.allclose, chk.comparison.mismatches
     assert chk.measured_peak == split.simulate().peak
+
+
+def test_a_tied_weight_sums_both_gradients_into_one_result(monkeypatch):
+    """Note [one sum for a tied weight]: GPT ties its output head to the input
+    embedding, so the embedding's gradient is the head's ``mm`` plus
+    ``embedding_dense_backward``. Split along the batch, both accumulate into one
+    full result and their add becomes an alias of it: one vocabulary-sized
+    buffer less at the peak, allclose, measured peak = simulated."""
+    from magis_nb import zoo
+    import magis_nb.analysis.apply as ap
+    case = zoo.build("gpt", "tiny")
+    prog = trace(case.model, case.inputs, loss_fn=case.loss_fn)
+    g = prog.graph
+    dg = DGraph(g)
+    f = max(build_ftree(dg, prog.hotspots()), key=lambda c: c.score).ftrans(4)
+    shared = ap._shared_sums(g, f, plan_outputs(dg, f), {})
+    assert len(shared) == 1
+    (add, (r1, r2)), = shared.items()
+    assert {g.nodes[r1.node].target, g.nodes[r2.node].target} == \
+        {"aten.mm.default", "aten.embedding_dense_backward.default"}
+    split = prog.with_graph(apply_fission(dg, [f]))
+    sg = split.graph
+    name = g.nodes[add].name
+    alias = next(n for n in sg.ops if n.name == name)
+    assert alias.target == "aten.alias.default"
+    ref = Reference(case.model, case.inputs, case.loss_fn, "train")
+    chk = ref.check(split.module())
+    assert chk.comparison.allclose, chk.comparison.mismatches
+    assert chk.measured_peak == split.simulate().peak
+    # the same split with two results: exactly one [vocab, d] buffer more
+    monkeypatch.setattr(ap, "_shared_sums", lambda *a: {})
+    two = prog.with_graph(apply_fission(dg, [f]))
+    assert two.simulate().peak - split.simulate().peak == g.tensor(r2).nbytes

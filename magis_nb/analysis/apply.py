@@ -13,6 +13,18 @@ A final ``alias`` node, ordered after every write, stands for the full result.
 
 Dropout masks a region reads can be packed 8 to a byte first: see Note [packed
 masks] in analysis/masks.py.
+
+Note [one sum for a tied weight]
+A weight used twice gets the sum of two gradients: a language model whose
+output head is its input embedding adds the head's ``mm`` gradient and the
+embedding's ``embedding_dense_backward`` after the backward. Split along the
+batch, each is a sum over the parts with its own full-size result, and the add
+reads both: two vocabulary-sized buffers through the whole region (GPT-Neo:
+196 MiB more at the peak than one). When the add's two operands are sums of one
+region, laid out alike (contiguous, same shape and dtype) and read by nothing
+else but views, both accumulate into one full result and the add becomes an
+alias of it, ordered after every write. The sum is the same up to the order of
+the additions (fp32 tolerance, as every split sum).
 """
 from __future__ import annotations
 
@@ -23,6 +35,7 @@ import torch
 
 from ..ir.build import alias_arg
 from ..ir.graph import Graph, Node, Ref, Region, TensorInfo, contiguous, iter_refs, map_refs
+from ..simulate.cost import is_free
 from .causal import CAUSAL_MASK, CAUSAL_MASK_TARGET, CausalPart
 from .dgraph import DGraph
 from .dims_base import dim_index
@@ -45,6 +58,7 @@ def apply_fission(dg: DGraph, regions: Iterable[FTrans]) -> Graph:
     proto: dict[int, int] = {}            # original node id -> proto id (unsplit nodes)
     joined: dict[Ref, Ref] = {}           # region output -> proto ref of the full result
     plans = [None if f.tiles else plan_outputs(dg, f) for f in regions]
+    shared = [{} if f.tiles else _shared_sums(g, f, plans[i], owner) for i, f in enumerate(regions)]
     # Region outputs get their proto ids first so that later consumers can point to them.
     for n in g.nodes:
         if n.id in owner:
@@ -54,7 +68,7 @@ def apply_fission(dg: DGraph, regions: Iterable[FTrans]) -> Graph:
         if f.tiles:
             expand_tiles(b, g, f.ops, f.tiles, f.n, i, joined)
         else:
-            _expand_region(b, dg, f, i, plans[i], joined)
+            _expand_region(b, dg, f, i, plans[i], joined, shared[i])
 
     def resolve(r: Ref, _k=None) -> Ref:
         # an External never equals a Ref (dataclass eq checks the class): look it up as one
@@ -72,6 +86,9 @@ def apply_fission(dg: DGraph, regions: Iterable[FTrans]) -> Graph:
         v.deps = tuple(proto[d] for d in n.deps)
         v.outputs = [None if t is None else dataclasses.replace(
             t, alias=None if t.alias is None else resolve(t.alias)) for t in n.outputs]
+    for i in range(len(regions)):
+        for aid, (r1, r2) in shared[i].items():
+            _stand_for_sum(b.nodes[proto[aid]], g.tensor(Ref(aid, 0)), joined[r1], joined[r2])
     # Region nodes were built with External refs in original ids: resolve them now.
     b.resolve_external(resolve)
     return b.finish([resolve(r) for r in g.outputs], g.output_roles)
@@ -117,11 +134,64 @@ def _fused_matmuls(g: Graph, f: FTrans, plan) -> set[Ref]:
     return out
 
 
-def _expand_region(b: ProtoBuilder, dg: DGraph, f: FTrans, rid: int, plan, joined) -> None:
+def _shared_sums(g: Graph, f: FTrans, plan, owner: dict[int, int]) -> dict[int, tuple[Ref, Ref]]:
+    """Note [one sum for a tied weight]: the ``add`` ops outside every region
+    whose two operands are sums of region ``f``, both laid out alike and read by
+    nothing but that add and views. -> {add node id: (first sum, second sum)}."""
+    sums = {r for r, (how, _) in plan.items() if how == "sum" and g.tensor(r).alias is None}
+    if len(sums) < 2:
+        return {}
+    rd = g.readers()
+    kept = {g.storage_of(r) for r in g.outputs}
+    out: dict[int, tuple[Ref, Ref]] = {}
+    used: set[Ref] = set()
+    for n in g.ops:
+        if n.target != "aten.add.Tensor" or n.id in owner or n.kwargs or len(n.args) != 2 \
+                or not all(isinstance(a, Ref) for a in n.args):
+            continue
+        bases = [g.storage_of(a) for a in n.args]
+        if bases[0] == bases[1] or not all(r in sums and r not in used and r not in kept
+                                           for r in bases):
+            continue
+        t = g.tensor(Ref(n.id, 0))
+        dense = tuple(contiguous(t.shape))
+        if not all(_laid_out(g.tensor(a), t, dense) and _laid_out(g.tensor(r), t, dense, True)
+                   for a, r in zip(n.args, bases)):
+            continue
+        if any(u != n.id and not is_free(g.nodes[u]) for r in bases for u in rd.get(r, ())):
+            continue
+        out[n.id] = (bases[0], bases[1])
+        used.update(bases)
+    return out
+
+
+def _laid_out(a: TensorInfo, t: TensorInfo, dense: tuple, unknown_ok: bool = False) -> bool:
+    """``a`` has ``t``'s shape and dtype with contiguous strides (a view with
+    those covers its whole base from offset 0); ``unknown_ok``: or unknown strides
+    (a region output: its full result is then contiguous, `full_stride`)."""
+    if tuple(a.shape) != tuple(t.shape) or a.dtype != t.dtype:
+        return False
+    return (a.stride is None and unknown_ok) or (a.stride is not None and tuple(a.stride) == dense)
+
+
+def _stand_for_sum(v: Node, t: TensorInfo, j1: Ref, j2: Ref) -> None:
+    """Turn the ``add`` of two shared sums (proto node ``v``) into an alias of
+    their one full result, after both joins (Note [one sum for a tied weight])."""
+    v.target, v.op = "aten.alias.default", aten.alias.default
+    v.args, v.kwargs = (j2,), {}
+    v.deps = tuple(v.deps) + (j1.node,)
+    v.outputs = [tensor_info(t.shape, t, alias=j2, stride=contiguous(t.shape))]
+
+
+def _expand_region(b: ProtoBuilder, dg: DGraph, f: FTrans, rid: int, plan, joined,
+                   shared: dict[int, tuple[Ref, Ref]] | None = None) -> None:
     """Add region ``f``'s parts to ``b``: full-size results first, then each part
     (its ops on part-sized tensors, its outputs merged into the results), then one
-    node per output that stands for the full result (into ``joined``)."""
+    node per output that stands for the full result (into ``joined``).
+    ``shared``: pairs of sums that add into one full result (`_shared_sums`)."""
     x = _Expansion(b, dg, f, rid, plan)
+    for r1, r2 in (shared or {}).values():
+        x.mates[r1], x.mates[r2] = r2, r1
     for r in plan:
         x.allocate(r)
     if f.pack:
@@ -179,6 +249,7 @@ class _Expansion:
         self.writes: dict[Ref, list[int]] = {r: [] for r in plan}
         self.fused = _fused_matmuls(self.g, f, plan)
         self.packed: dict[Ref, PackedMask] = {}
+        self.mates: dict[Ref, Ref] = {}      # a sum -> the sum it shares its full result with
 
     def key(self, phase: int, k: int) -> tuple:
         """The sort key of the next node: phase 0 before the parts, 1 in part k, 2 after."""
@@ -189,6 +260,11 @@ class _Expansion:
         """The full-size destination of output ``r``, made before part 0 and laid
         out as the output it stands for (`full_stride`)."""
         b, g, t = self.b, self.g, self.g.tensor(r)
+        mate = self.mates.get(r)
+        if mate in self.dest:
+            # one full result for both sums (Note [one sum for a tied weight])
+            self.dest[r], self.full_st[r] = self.dest[mate], self.full_st[mate]
+            return
         how = self.plan[r][0]
         st = self.full_st[r] = full_stride(t) if layout_seen(g, r, self.f.ops) \
             else tuple(contiguous(t.shape))
