@@ -7,6 +7,7 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_map
 
 from .capture import eager_step, flatten, split_call
 from .runtime.measure import measure_cpu, model_baseline
@@ -23,7 +24,8 @@ class Comparison:
     mismatches: list[str] = field(default_factory=list)
 
 
-def _close(name, a, b, rtol, atol, out: Comparison, rel_atol: float = 0.0):
+def _close(name, a, b, rtol, atol, out: Comparison, rel_atol: float = 0.0,
+           slack: dict[str, float] | None = None):
     if a is None or b is None:
         if (a is None) != (b is None):
             out.allclose = False
@@ -38,30 +40,51 @@ def _close(name, a, b, rtol, atol, out: Comparison, rel_atol: float = 0.0):
     out.max_abs_err = max(out.max_abs_err, err)
     if rel_atol and a.numel():
         atol = atol + rel_atol * a.abs().max().item()
+    if slack:
+        atol = atol + slack.get(name, 0.0)
     if not torch.allclose(a, b, rtol=rtol, atol=atol):
         out.allclose = False
         out.mismatches.append(f"{name}: max abs err {err:.3g}")
 
 
 def compare_models(ref: nn.Module, got: nn.Module, ref_out, got_out, *,
-                   rtol=RTOL, atol=ATOL, rel_atol: float = 0.0) -> Comparison:
+                   rtol=RTOL, atol=ATOL, rel_atol: float = 0.0,
+                   slack: dict[str, float] | None = None) -> Comparison:
     """Outputs (or loss), every .grad and every buffer of two copies of a model.
 
     ``rel_atol`` adds that fraction of each reference tensor's largest magnitude
     to ``atol``: low-precision (bf16) results are close relative to their scale,
-    and elements near zero carry the scale's rounding error, not their own."""
+    and elements near zero carry the scale's rounding error, not their own.
+    ``slack``: more ``atol`` per tensor, by name ("output 0", "grad w",
+    "buffer b"; see `Reference.spread`)."""
     cmp = Comparison(True, 0.0)
     ra, _ = flatten(ref_out)
     ga, _ = flatten(got_out)
     if len(ra) != len(ga):
         return Comparison(False, float("inf"), ["different number of outputs"])
-    for i, (a, b) in enumerate(zip(ra, ga)):
-        _close(f"output {i}", a, b, rtol, atol, cmp, rel_atol)
-    for (n, p), (_, q) in zip(ref.named_parameters(), got.named_parameters()):
-        _close(f"grad {n}", p.grad, q.grad, rtol, atol, cmp, rel_atol)
-    for (n, b), (_, c) in zip(ref.named_buffers(), got.named_buffers()):
-        _close(f"buffer {n}", b, c, rtol, atol, cmp, rel_atol)
+    for name, a, b in _pairs(ref, got, ra, ga):
+        _close(name, a, b, rtol, atol, cmp, rel_atol, slack)
     return cmp
+
+
+def _pairs(ref: nn.Module, got: nn.Module, ra, ga):
+    """(name, reference tensor, other tensor) for every output, gradient and buffer."""
+    for i, (a, b) in enumerate(zip(ra, ga)):
+        yield f"output {i}", a, b
+    for (n, p), (_, q) in zip(ref.named_parameters(), got.named_parameters()):
+        yield f"grad {n}", p.grad, q.grad
+    for (n, b), (_, c) in zip(ref.named_buffers(), got.named_buffers()):
+        yield f"buffer {n}", b, c
+
+
+def _room_for_fp32_copy(params: list[torch.Tensor], peak: int) -> bool:
+    """On a GPU, whether an fp32 copy of the model (its weights and gradients
+    twice the bf16 size) and its step fit beside what is there; elsewhere True."""
+    cuda = [p for p in params if p.device.type == "cuda"]
+    if not cuda:
+        return True
+    free, _ = torch.cuda.mem_get_info(cuda[0].device)
+    return free > 4 * sum(p.numel() * p.element_size() for p in params) + 2 * peak
 
 
 @dataclass
@@ -89,12 +112,48 @@ class Reference:
         m = measure_cpu(lambda: eager_step(self.ref, inputs, loss_fn, mode),
                         model_baseline(self.ref, inputs))
         self.out, self.eager_peak = m.result, m.peak
+        self._spread: dict[str, float] | None = None
+
+    def spread(self) -> dict[str, float]:
+        """Eager's own error, per tensor: the largest difference between this
+        step and the same step of an fp32 copy of the model (parameters and
+        buffers in fp32, the same inputs and RNG seed). Note [low-precision
+        parameters] in search/safety.py: what a plan of a bf16/fp16 model may add to eager's error.
+        Empty when the model holds no bf16/fp16 parameter or buffer, when the
+        fp32 step fails, or on a GPU without room for it."""
+        if self._spread is None:
+            low = (torch.bfloat16, torch.float16)
+            self._spread = {}
+            params = list(self.ref.parameters())
+            if any(t.dtype in low for t in params + list(self.ref.buffers())) \
+                    and _room_for_fp32_copy(params, self.eager_peak):
+                self.restore()
+                wide = copy.deepcopy(self.model).float()
+                for p in wide.parameters():
+                    p.grad = None
+                inputs = tree_map(lambda t: t.float() if isinstance(t, torch.Tensor)
+                                  and t.dtype in low else t, self.inputs)
+                torch.manual_seed(self.seed)
+                try:
+                    out = eager_step(wide, inputs, self.loss_fn, self.mode)
+                except Exception:  # noqa: BLE001 - no fp32 step, no spread: the plain tolerance
+                    return self._spread
+                finally:
+                    self.restore()
+                ra, _ = flatten(self.out)
+                wa, _ = flatten(out)
+                for name, a, b in _pairs(self.ref, wide, ra, wa):
+                    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) \
+                            and a.shape == b.shape and a.numel():
+                        self._spread[name] = (a.detach().float() - b.detach().float()).abs().max().item()
+        return self._spread
 
     def restore(self) -> None:
         """The model back to its state at construction, without gradients."""
         self.start.restore()
 
-    def check(self, runner: Callable, *, rtol=RTOL, atol=ATOL, rel_atol: float = 0.0) -> StepCheck:
+    def check(self, runner: Callable, *, rtol=RTOL, atol=ATOL, rel_atol: float = 0.0,
+              slack: dict[str, float] | None = None) -> StepCheck:
         self.restore()
         torch.manual_seed(self.seed)
         args, kwargs = split_call(self.inputs)
@@ -105,7 +164,7 @@ class Reference:
             ours = measure_cpu(lambda: step(*args, **kwargs),
                                model_baseline(self.model, self.inputs) + own)
             cmp = compare_models(self.ref, self.model, self.out, ours.result, rtol=rtol,
-                                 atol=atol, rel_atol=rel_atol)
+                                 atol=atol, rel_atol=rel_atol, slack=slack)
         finally:
             self.restore()
         return StepCheck(cmp, ours.peak, ours.baseline, self.eager_peak)

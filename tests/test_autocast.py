@@ -118,3 +118,46 @@ def test_bf16_gpt_split_whole_step_with_packed_masks_matches_eager(one_thread):
     chk = Reference(model, case.inputs, case.loss_fn, "train").check(
         OptimizedModule(model, prog.captured, g, st.order))
     assert chk.measured_peak == st.peak
+
+
+def test_bf16_parameters_split_is_checked_against_eager_own_error(one_thread):
+    """Note [low-precision parameters]: a GPT whose parameters are bf16, split
+    along the batch, sums bf16 part gradients; its LayerNorm bias gradients
+    then differ from eager's by about eager's own error against an fp32 copy
+    of the step, and the fixed low-precision tolerances refused every such
+    plan. The safety net allows each tensor twice eager's own error: the split
+    passes, and a split that loses a part's gradient still fails."""
+    from magis_nb import zoo
+    from magis_nb.analysis import DGraph, apply_fission, build_ftree
+    from magis_nb.search.safety import ATOL, LOW_REL_ATOL, LOW_RTOL, SafetyNet
+    from magis_nb.verify import Reference
+    case = zoo.build("gpt", "tiny")
+    model = case.model.to(torch.bfloat16)
+    prog = trace(model, case.inputs, loss_fn=case.loss_fn)
+    dg = DGraph(prog.graph)
+    best = max(build_ftree(dg, prog.hotspots()), key=lambda c: c.score)
+    split = prog.with_graph(apply_fission(dg, [best.ftrans(4)]))
+    ref = Reference(model, case.inputs, case.loss_fn, "train")
+    spread = ref.spread()
+    assert spread["grad blocks.0.ln1.bias"] > 0 and spread["output 0"] > 0
+    plain = ref.check(split.module(), rtol=LOW_RTOL, atol=ATOL, rel_atol=LOW_REL_ATOL)
+    assert not plain.comparison.allclose
+    assert all("bias" in m or "weight" in m for m in plain.comparison.mismatches)
+    net = SafetyNet(model, case.inputs, case.loss_fn, "train", low_precision=True)
+    assert net.check(0, "x0[0]/4", split.module()) is None
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    class LostPart(torch.nn.Module):    # a wrong plan: a quarter of every gradient lost
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.code = inner, inner.code
+
+        def forward(self, *args):
+            loss = self.inner.step(*args)
+            for p in model.parameters():
+                p.grad.mul_(0.75)
+            return loss
+
+    wrong = net.check(1, "wrong", LostPart(split.module()))
+    assert wrong is not None and wrong.reason == "differs from eager", wrong
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
