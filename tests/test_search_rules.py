@@ -179,6 +179,9 @@ def test_better_than_in_both_modes():
     # relaxed by 1.1, a slightly worse state still counts as better
     assert not lat.better(_st(105, 0.5), _st(100, 0.5))
     assert lat.better(_st(105, 0.5), _st(100, 0.5), 1.1)
+    # a tie in the mode's measure goes to the other one
+    assert lat.better(_st(100, 0.8), _st(100, 0.9)) and not lat.better(_st(100, 0.9), _st(100, 0.8))
+    assert mem.better(_st(90, 1.0), _st(80, 1.0)) is False and mem.better(_st(80, 1.0), _st(90, 1.0))
 
 
 def test_pareto_front_keeps_only_non_dominated_plans():
