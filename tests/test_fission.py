@@ -291,6 +291,13 @@ def test_packed_masks_are_bit_identical_and_smaller(name):
     ref = Reference(case.model, case.inputs, case.loss_fn, "train").check(packed.module())
     assert ref.comparison.allclose, ref.comparison.mismatches
     assert ref.measured_peak == packed.simulate().peak < plain.simulate().peak
+    # each mask is allocated after the one before it is packed (a dependency, so in
+    # every order): one unpacked mask alive at a time (paper BTLM: all 97, 10.8 GB)
+    pg = packed.graph
+    kept = {m.name for m in pg.ops if m.target == "aten.sum.dim_IntList" and m.name.endswith("_packed")}
+    allocs = [m for m in pg.ops if m.target == "aten.empty_strided.default"
+              and any(pg.nodes[d].name in kept for d in m.deps)]
+    assert len(allocs) == len(masks) - 1
     # a mask that an op outside the region reads (here its backward) stays whole
     g = prog.graph
     r = next(iter(masks))

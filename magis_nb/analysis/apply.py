@@ -59,6 +59,7 @@ def apply_fission(dg: DGraph, regions: Iterable[FTrans]) -> Graph:
     joined: dict[Ref, Ref] = {}           # region output -> proto ref of the full result
     plans = [None if f.tiles else plan_outputs(dg, f) for f in regions]
     shared = [{} if f.tiles else _shared_sums(g, f, plans[i], owner) for i, f in enumerate(regions)]
+    packs: list[tuple[int, int]] = []     # (a packed mask's allocation, its pack op's proto id)
     # Region outputs get their proto ids first so that later consumers can point to them.
     for n in g.nodes:
         if n.id in owner:
@@ -68,7 +69,7 @@ def apply_fission(dg: DGraph, regions: Iterable[FTrans]) -> Graph:
         if f.tiles:
             expand_tiles(b, g, f.ops, f.tiles, f.n, i, joined)
         else:
-            _expand_region(b, dg, f, i, plans[i], joined, shared[i])
+            _expand_region(b, dg, f, i, plans[i], joined, shared[i], packs)
 
     def resolve(r: Ref, _k=None) -> Ref:
         # an External never equals a Ref (dataclass eq checks the class): look it up as one
@@ -86,6 +87,13 @@ def apply_fission(dg: DGraph, regions: Iterable[FTrans]) -> Graph:
         v.deps = tuple(proto[d] for d in n.deps)
         v.outputs = [None if t is None else dataclasses.replace(
             t, alias=None if t.alias is None else resolve(t.alias)) for t in n.outputs]
+    # Each packed mask is drawn after the one before it is packed: left free, the
+    # scheduler drew every mask first (paper BTLM split in 16: all 97 bool masks,
+    # 10.8 GB, alive at the first pack, its peak before the region starts).
+    packs.sort()
+    for (_, prev), (alloc, _) in zip(packs, packs[1:]):
+        v = b.nodes[proto[alloc]]
+        v.deps = tuple(v.deps) + (prev,)
     for i in range(len(regions)):
         for aid, (r1, r2) in shared[i].items():
             _stand_for_sum(b.nodes[proto[aid]], g.tensor(Ref(aid, 0)), joined[r1], joined[r2])
@@ -184,7 +192,8 @@ def _stand_for_sum(v: Node, t: TensorInfo, j1: Ref, j2: Ref) -> None:
 
 
 def _expand_region(b: ProtoBuilder, dg: DGraph, f: FTrans, rid: int, plan, joined,
-                   shared: dict[int, tuple[Ref, Ref]] | None = None) -> None:
+                   shared: dict[int, tuple[Ref, Ref]] | None = None,
+                   packs: list | None = None) -> None:
     """Add region ``f``'s parts to ``b``: full-size results first, then each part
     (its ops on part-sized tensors, its outputs merged into the results), then one
     node per output that stands for the full result (into ``joined``).
@@ -196,6 +205,8 @@ def _expand_region(b: ProtoBuilder, dg: DGraph, f: FTrans, rid: int, plan, joine
         x.allocate(r)
     if f.pack:
         x.pack()
+        if packs is not None:
+            packs.extend((x.g.storage_of(r).node, m.packed.node) for r, m in x.packed.items())
     prev_last: int | None = None
     for k in range(x.n):
         first = len(b.nodes)
