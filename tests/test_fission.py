@@ -410,3 +410,24 @@ def test_a_tied_weight_sums_both_gradients_into_one_result(monkeypatch):
     monkeypatch.setattr(ap, "_shared_sums", lambda *a: {})
     two = prog.with_graph(apply_fission(dg, [f]))
     assert two.simulate().peak - split.simulate().peak == g.tensor(r2).nbytes
+
+
+def test_packed_masks_keep_the_draws_in_eager_order():
+    """Packed masks are drawn one after another's packing (a dependency the split
+    adds); a draw the packing does not touch keeps its place in the random
+    stream, so the split draws eager's masks. PyTorch's TransformerEncoder (the
+    corpus' torch-transformer) drew them in another order, and its packed split
+    was not allclose."""
+    from magis_nb.analysis.ftree import add_pack_twins
+    from magis_nb.bench.corpus_models import MODELS
+    case = MODELS["torch-transformer"][1]()
+    prog = trace(case.model, case.inputs, loss_fn=case.loss_fn)
+    dg = DGraph(prog.graph)
+    cands = build_ftree(dg, prog.hotspots())
+    add_pack_twins(dg, cands)
+    f = max((c for c in cands if c.pack), key=lambda c: len(c.ops)).ftrans(4)
+    split = prog.with_graph(apply_fission(dg, [f]))
+    draws = lambda g: [n.name for n in g.ops if n.rng]  # noqa: E731
+    assert draws(split.graph) == draws(prog.graph)
+    ref = Reference(case.model, case.inputs, case.loss_fn, "train").check(split.module())
+    assert ref.comparison.allclose, ref.comparison.mismatches

@@ -76,6 +76,12 @@ class ProtoBuilder:
             for r in iter_refs((v.args, v.kwargs)):
                 preds[v.id].add(r.node)
             preds[v.id].update(v.deps)
+        # RNG ops keep their order (the graph's RNG edges follow node ids): a
+        # dependency the split adds (a packed mask drawn after the last is packed)
+        # must not let a later draw take an earlier one's place.
+        rng = sorted((self.keys[v.id], v.id) for v in self.nodes if v.rng)
+        for (_, a), (_, b) in zip(rng, rng[1:]):
+            preds[b].add(a)
         succs = [[] for _ in range(n)]
         for v in range(n):
             for p in preds[v]:
