@@ -21,8 +21,8 @@ class Objective:
 
     def key(self, s: State, relax: float = 1.0) -> tuple:
         # the other measure last: of two plans at the same peak under a latency
-        # budget, the faster (paper BTLM split in 16 and in 32 both peak at
-        # 21247 MiB, at x1.085 and x1.146)
+        # budget, the faster (before packed masks were drawn one at a time, paper
+        # BTLM split in 16 and in 32 both peaked at 21247 MiB, at x1.085 and x1.146)
         if self.kind == "mem":
             return (max(relax * s.peak, self.limit), relax * s.latency, relax * s.peak)
         return (max(relax * s.latency, self.limit), relax * s.peak, relax * s.latency)

@@ -41,9 +41,9 @@ SPREAD_SLACK = 2.0
 # tiny GPT `.to(bfloat16)`, LayerNorm bias gradients are off the fp32 step's by
 # up to 46% of their largest magnitude (the median gradient by 1.2%). A plan
 # that splits the batch sums the parts' gradients, each rounded to bf16, and
-# differs from eager by as much again; the fixed
-# tolerances above refused every such plan (tiny GPT: x0[0]/2 to /12 all
-# "differs from eager" on LayerNorm gradients), so a bf16 model got no fission.
+# differs from eager by as much again; the fixed tolerances above refused every
+# such plan (tiny GPT: x0[0]/2 to /12 all "differs from eager" on LayerNorm
+# gradients), so a bf16 model got no fission.
 # With bf16 parameters the check therefore gives each tensor SPREAD_SLACK times
 # eager's own error as more atol: the largest difference between eager's step
 # and the same step of an fp32 copy (`verify.Reference.spread`). A plan then
