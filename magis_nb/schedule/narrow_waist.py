@@ -154,6 +154,7 @@ def _split_component(g, comp, key, light, cut):
         if core >> i & 1:
             blk[i] = ((anc[i] | (1 << i)) & cuts).bit_count()
     pos = {v: i for i, v in enumerate(topo)}
+    readers: dict[int, int] = {}
     # Counting puts an op unrelated to a cut before it; one that cannot pay for
     # running early (a recompute copy) moves to the block of its first successor.
     # ``reach[i]``: least block of a core op reachable from i through light ops.
@@ -167,7 +168,7 @@ def _split_component(g, comp, key, light, cut):
                 r = min(r, blk[j] if core >> j & 1 else reach[j])
         reach[i] = r
         if (core >> i & 1 and not cuts >> i & 1 and big > r > blk[i]
-                and not _runs_early(g, topo[i], des[i], pos)):
+                and not _runs_early(g, topo[i], des[i], pos, readers)):
             blk[i] = r
     last = max(blk) if n else 0
     # Where each light op will go. One that pays for running early goes as soon
@@ -179,7 +180,7 @@ def _split_component(g, comp, key, light, cut):
     # fission region's gradient sum (an allocation) feeds one ``add_`` per
     # part, and placing it by their latest block dragged every part's ``add_``
     # into the last block.
-    early = [blk[i] < 0 and _runs_early(g, v, des[i], pos) for i, v in enumerate(topo)]
+    early = [blk[i] < 0 and _runs_early(g, v, des[i], pos, readers) for i, v in enumerate(topo)]
     lo, hi = [-1] * n, [last] * n
     for i, v in enumerate(topo):
         if blk[i] < 0:
@@ -210,23 +211,40 @@ def _alloc(g: MemGraph, v: int) -> int:
     return sum(g.storages[s].size for s in g.outputs_of[v])
 
 
-def _runs_early(g: MemGraph, v: int, d: int, pos: dict[int, int]) -> bool:
+def _runs_early(g: MemGraph, v: int, d: int, pos: dict[int, int],
+                readers: dict[int, int]) -> bool:
     """Whether running ``v`` early may pay: it allocates nothing (a view, a
     detach), or the inputs it could be the last reader of (no other reader
     descends from it; ``d`` = its descendant bitset) outweigh what it allocates (a
     weight gradient), as opposed to a Load, a recompute copy (its inputs are read
-    again later), a mask or a weight cast."""
+    again later), a mask or a weight cast. ``readers``: a cache of each storage's
+    readers as a bitset over ``pos``, filled here."""
     alloc = _alloc(g, v)
     if alloc == 0:
         return True                  # never raises memory: as soon as ready
     may_free = 0
+    me = 1 << pos[v]
     for s in g.inputs_of[v]:
         st = g.storages[s]
         if st.producer < 0 or st.keep:
             continue
-        if not any(d >> pos[u] & 1 for u in st.users if u != v and u in pos):
+        # One AND per input: testing each reader's bit shifts the whole
+        # bitset, and a region input has a reader per part (paper GPT-Neo split
+        # in 16: 2.9M shifts of 67k-bit sets, 5 s of a 42 s evaluation).
+        rb = readers.get(s)
+        if rb is None:
+            rb = readers[s] = _bits(pos[u] for u in st.users if u in pos)
+        if not (d & rb) & ~me:
             may_free += st.size
     return may_free > alloc
+
+
+def _bits(positions) -> int:
+    """The bitset with ``positions`` set."""
+    out = 0
+    for p in positions:
+        out |= 1 << p
+    return out
 
 
 def graph_partition(g: MemGraph, nodes: Iterable[int] | None = None, *,
