@@ -114,3 +114,21 @@ def test_lower_bound():
     # at q: x, p, q are certain; at t: x, r, t; a is certain only at a, r, p
     assert order_lower_bound(g) <= schedule(g).peak == 8 * MiB
     assert order_lower_bound(g) == 7 * MiB   # p's step: x + a + p
+
+
+def test_a_huge_block_keeps_the_better_of_hint_and_greedy(monkeypatch):
+    """A block over MAX_DP_OPS skips the DP (each of its states is a bitmask of
+    the whole block: paper GPT-Neo's 55,651-op block took 279 s): the result is
+    the better of the hint and the greedy order, marked inexact, and its peak is
+    the block's own for that order."""
+    from magis_nb.schedule import dp
+    g = two_branches(after=True)
+    p = block_problems(g, [0, 1, 1, 1, 1, 1, 2], {1: [1, 2, 3, 4, 5]}, 3)[1]
+    hint = [0, 1, 2, 3, 4]
+    monkeypatch.setattr(dp, "MAX_DP_OPS", 4)
+    r = solve_block(p, hint)
+    greedy = dp.greedy_order(p)
+    assert not r.exact and r.states == 1
+    assert r.peak == min(p.peak_of(hint)[0], p.peak_of(greedy)[0]) == p.peak_of(r.order)[0]
+    monkeypatch.setattr(dp, "MAX_DP_OPS", 5)
+    assert solve_block(p, hint).exact

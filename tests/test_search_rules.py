@@ -318,3 +318,29 @@ def test_the_first_line_search_runs_packed(one_thread):
     assert plans[1] == ((space.cands[c].twin, n0),)
     (t, n), = plans[2]
     assert t == space.cands[c].twin and n > n0
+
+
+def test_a_child_predicted_to_end_past_the_budget_is_not_built(one_thread):
+    """Note [a state's cost before it is built]: each split visit measures its
+    seconds per planned op, and a child whose plan would take longer than the
+    time left is refused unbuilt and counted (paper GPT-Neo: a 60 s search ran
+    300 s); a plan that fits is still built."""
+    from magis_nb import zoo
+    from magis_nb.search.algorithm import _Search
+    from magis_nb.search.space import Space
+    from magis_nb.simulate.cost import make_cost
+    case = zoo.build("gpt", "tiny")
+    prog = trace(case.model, case.inputs, loss_fn=case.loss_fn)
+    space = Space(prog, make_cost("rtx3090"), async_copies=True)
+    root = space.evaluate((), (), prog.graph)
+    s = _Search(space, root, Objective("lat", 3.0 * root.latency), 60.0, 0, None, None, 1.0)
+    c = max(range(len(space.cands)), key=lambda i: len(space.cands[i].ops))
+    small, big = ((c, 2),), ((c, space.cands[c].max_n),)
+    assert space.plan_ops(big) > space.plan_ops(small) > len(prog.graph.nodes)
+    assert s.visit(root, "enable", small, (), set()) is not None     # no rate yet: built
+    assert s.rate is not None and s.rate > 0
+    built = []
+    space.build = lambda *a, **kw: built.append(a) or (_ for _ in ()).throw(AssertionError)
+    s.rate = 60.0 / space.plan_ops(big)           # as if the big plan takes the whole minute
+    assert s.visit(root, "enable", big, (), set()) is None
+    assert s.log.too_big == 1 and not built and (big, ()) not in s.keys

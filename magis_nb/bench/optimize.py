@@ -148,7 +148,7 @@ def paper_row(name: str, kind: str, budget: float, time_budget: float, profile: 
             "op_floor": round(op_floor(mg) / res.before.peak, 4),
             "lat_ratio": round(res.lat_ratio, 4), "measured": False, "allclose": None,
             "peak_before_MiB": round(res.before.peak / 2**20), "peak_after_MiB": round(res.plan.peak / 2**20),
-            "applied": res.plan.applied, "states": res.states,
+            "applied": res.plan.applied, "states": res.states, "too_big": res.too_big,
             "seconds": round(time.perf_counter() - t0, 1)}
 
 

@@ -15,6 +15,16 @@ lowers the peak starts a line search along its n: on a paper-size transformer
 the batch split of the whole step is the plan to find, and a state per lift and
 per divisor would not get there within a minute. When that region reads
 dropout masks, the line runs with them packed (`_Search.packed`).
+
+Note [a state's cost before it is built]
+The clock is read between states, and one state of a big split costs more than
+a minute budget: paper GPT-Neo split in 32 packed is ~134k ops, and building and
+scheduling it took over a minute, so a 60 s search returned after 80-320 s. A
+state's cost is about proportional to its ops, and a plan's ops are known before
+it is built (`Space.plan_ops`): each visit measures the seconds per planned op
+(the latest split visit's; a rewrite on the same graph costs like its parent), and
+a child whose predicted seconds would end past the budget is not built. Cheaper
+children are still tried with the time left.
 """
 from __future__ import annotations
 
@@ -55,6 +65,7 @@ class _Search:
         self.seen = {root.digest}          # graphs evaluated
         self.keys = {root.key}             # (plan, batches) built
         self.counter = 0                   # insertion count: the queues' last tie-break
+        self.rate: float | None = None     # seconds per planned op of the last split visit
         self.queue = StateQueue(objective)
         self.queue.push(root, self.rng.random(), self.counter)
         # Under a memory budget, the ladder's queue has three turns in four until a
@@ -79,6 +90,17 @@ class _Search:
         left = (self.time_budget - spent) * self.log.states / max(spent, 1e-9)
         return min(left, self.max_states - self.log.states) if self.max_states else left
 
+    def fits(self, plan: tuple) -> bool:
+        """Whether a state of ``plan`` is predicted to be built and evaluated
+        within the budget (Note [a state's cost before it is built])."""
+        if self.rate is None:
+            return True
+        left = self.time_budget - (time.perf_counter() - self.t0)
+        if self.rate * self.space.plan_ops(plan) <= left:
+            return True
+        self.log.too_big += 1
+        return False
+
     def tick(self, done: bool = False) -> None:
         now = time.perf_counter() - self.t0
         if self.progress is not None and (done or now - self.last_tick >= self.progress_every):
@@ -91,8 +113,11 @@ class _Search:
         """Build, evaluate and record one child of ``st`` (None: seen before)."""
         if (plan, batches) in self.keys:
             return None
-        self.keys.add((plan, batches))
         space = self.space
+        if not self.fits(plan):
+            return None
+        self.keys.add((plan, batches))
+        t = time.perf_counter()
         incremental = plan == st.plan and len(batches) == len(st.batches) + 1
         if incremental:
             g, last_b = space.apply(st.graph, batches[-1])
@@ -108,6 +133,8 @@ class _Search:
         child = space.evaluate(plan, batches, g, parent=st if incremental else None,
                                touched=touched if incremental else None, digest=d)
         child.meta["rule"] = rule
+        if not incremental:
+            self.rate = (time.perf_counter() - t) / space.plan_ops(plan)
         self.record(child)
         self.tick()
         return child

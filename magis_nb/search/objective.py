@@ -39,6 +39,9 @@ class SearchLog:
     states: int = 0
     seconds: float = 0.0
     interrupted: bool = False
+    # children not built: predicted to end past the time budget (Note [a state's
+    # cost before it is built] in search.algorithm)
+    too_big: int = 0
 
 
 def pareto_add(front: list[State], s: State) -> list[State]:

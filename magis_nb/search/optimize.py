@@ -413,6 +413,7 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
     res.device, res.swap = _device_of(model, inputs), swap
     res.timings = {"capture": t_capture - t0, "analysis": t_analysis - t_capture,
                    "search": log.seconds}
+    res.too_big = log.too_big
     builder.select(res, mem_budget, lat_budget)
     if dp is not None:
         agree(res, space, builder)

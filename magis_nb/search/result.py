@@ -134,6 +134,9 @@ class OptimizeResult:
     # seconds spent in each phase: "capture" (export and IR), "analysis" (D-Graph,
     # F-Tree, the unoptimized plan's costs), "search" (time_budget bounds this one)
     timings: dict = field(default_factory=dict)
+    # children the search did not build: predicted to end past time_budget (a
+    # longer search may find more; Note [a state's cost before it is built])
+    too_big: int = 0
     # the safety net: plans that failed their check against eager (`search.safety`)
     failed: list = field(default_factory=list)
     verified: bool = False          # the chosen plan passed its check against eager

@@ -182,6 +182,11 @@ class Space:
         self.evaluated = 0
 
     # -- graphs -----------------------------------------------------------------
+    def plan_ops(self, plan: tuple) -> int:
+        """About how many nodes ``plan``'s graph has, before it is built: each
+        split region's ops once per part."""
+        return len(self.base.nodes) + sum((n - 1) * len(self.cands[c].ops) for c, n in plan)
+
     def fission_graph(self, plan: tuple) -> Graph:
         g = self._fission.get(plan)
         if g is None:
