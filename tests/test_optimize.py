@@ -168,6 +168,15 @@ def test_result_reports_what_was_applied(gpt_mem):
     t = res.timings
     assert set(t) == {"capture", "analysis", "search"} and min(t.values()) > 0
     assert sum(t.values()) <= res.seconds
+    # plans the search did not build for time are said so (a longer search may go lower)
+    kept = res.too_big
+    try:
+        res.too_big = 0
+        assert "not tried" not in res._repr_html_()
+        res.too_big = 3
+        assert "3 bigger plan(s) not tried" in res._repr_html_()
+    finally:
+        res.too_big = kept
 
 
 def test_algebra_off_switch_reaches_the_search():

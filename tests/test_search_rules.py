@@ -344,3 +344,11 @@ def test_a_child_predicted_to_end_past_the_budget_is_not_built(one_thread):
     s.rate = 60.0 / space.plan_ops(big)           # as if the big plan takes the whole minute
     assert s.visit(root, "enable", big, (), set()) is None
     assert s.log.too_big == 1 and not built and (big, ()) not in s.keys
+    # a line search's jump that would not fit goes to the largest n between that does
+    from magis_nb.analysis import divisors
+    mid = max(d for d in divisors(space.cands[c].max_n) if d < big[0][1])
+    assert mid > 2
+    s.rate = 50.0 / space.plan_ops(((c, mid),))
+    assert s.shrink(big, small) == ((c, mid),)
+    s.rate = 60.0 / space.plan_ops(small)
+    assert s.shrink(big, small) is None and s.log.too_big == 2

@@ -32,6 +32,7 @@ import random
 import time
 from typing import Callable
 
+from ..analysis.ftrans import divisors
 from ..ir.digest import graph_digest
 from .algebra_gains import AlgebraGains
 from .linesearch import JUMPS, jump, step_back
@@ -90,16 +91,38 @@ class _Search:
         left = (self.time_budget - spent) * self.log.states / max(spent, 1e-9)
         return min(left, self.max_states - self.log.states) if self.max_states else left
 
-    def fits(self, plan: tuple) -> bool:
+    def fits(self, plan: tuple, count: bool = True) -> bool:
         """Whether a state of ``plan`` is predicted to be built and evaluated
-        within the budget (Note [a state's cost before it is built])."""
+        within the budget (Note [a state's cost before it is built]); a refusal
+        is counted when ``count``."""
         if self.rate is None:
             return True
         left = self.time_budget - (time.perf_counter() - self.t0)
         if self.rate * self.space.plan_ops(plan) <= left:
             return True
-        self.log.too_big += 1
+        self.log.too_big += count
         return False
+
+    def shrink(self, plan: tuple, base: tuple) -> tuple | None:
+        """``plan``, a jump from ``base`` along one region's n, or when it would end
+        past the budget the same jump to the largest n between that fits; None
+        when none does. Stopping the line instead left paper BTLM at lat 1.20 on
+        a split in 2 (0.536): the jump to 32 would not fit, 16 would."""
+        if self.fits(plan, count=False):
+            return plan
+        new = set(plan) - set(base)
+        if len(new) == 1:
+            (cid, n), = new
+            c = self.space.cands[cid]
+            same = {cid, c.twin}
+            now = max([m for k, m in base if k in same] or [1])
+            for d in sorted(divisors(c.max_n), reverse=True):
+                if now < d < n:
+                    p = tuple(sorted((k, d if k == cid else m) for k, m in plan))
+                    if self.fits(p, count=False):
+                        return p
+        self.log.too_big += 1
+        return None
 
     def tick(self, done: bool = False) -> None:
         now = time.perf_counter() - self.t0
@@ -213,6 +236,9 @@ class _Search:
                 (tid,) = set(dict(packed.plan)) - set(dict(plan))
                 plan, unpack = _swap_region(plan, cid, tid), (tid, cid)
                 cur, packed = packed, None
+            plan = self.shrink(plan, cur.plan)
+            if plan is None:
+                return
             nxt = self.visit(st, "jump", plan, st.batches, set())
             if nxt is None:
                 return
