@@ -133,7 +133,8 @@ class _Search:
     # -- one child -----------------------------------------------------------
     def visit(self, st: State, rule: str, plan: tuple, batches: tuple,
               touched: set) -> State | None:
-        """Build, evaluate and record one child of ``st`` (None: seen before)."""
+        """Build, evaluate and record one child of ``st`` (None: seen before, or
+        predicted to end past the budget)."""
         if (plan, batches) in self.keys:
             return None
         space = self.space
