@@ -119,8 +119,9 @@ class Reference:
         step and the same step of an fp32 copy of the model (parameters and
         buffers in fp32, the same inputs and RNG seed): what a plan of a
         bf16/fp16 model may add to eager's error (Note [low-precision
-        parameters] in search/safety.py). Empty when the model holds no bf16/fp16 parameter or buffer, when the
-        fp32 step fails, or on a GPU without room for it."""
+        parameters] in search/safety.py). Empty when the model holds no
+        bf16/fp16 parameter or buffer, when the fp32 step fails, or on a GPU
+        without room for it."""
         if self._spread is None:
             low = (torch.bfloat16, torch.float16)
             self._spread = {}

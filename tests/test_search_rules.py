@@ -337,7 +337,8 @@ def test_a_child_predicted_to_end_past_the_budget_is_not_built(one_thread):
     c = max(range(len(space.cands)), key=lambda i: len(space.cands[i].ops))
     small, big = ((c, 2),), ((c, space.cands[c].max_n),)
     assert space.plan_ops(big) > space.plan_ops(small) > len(prog.graph.nodes)
-    assert s.visit(root, "enable", small, (), set()) is not None     # no rate yet: built
+    first = s.visit(root, "enable", small, (), set())
+    assert first is not None                                          # no rate yet: built
     assert s.rate is not None and s.rate > 0
     built = []
     space.build = lambda *a, **kw: built.append(a) or (_ for _ in ()).throw(AssertionError)
@@ -349,6 +350,6 @@ def test_a_child_predicted_to_end_past_the_budget_is_not_built(one_thread):
     mid = max(d for d in divisors(space.cands[c].max_n) if d < big[0][1])
     assert mid > 2
     s.rate = 50.0 / space.plan_ops(((c, mid),))
-    assert s.shrink(big, small) == ((c, mid),)
+    assert s.shrink(big, first) == ((c, mid),)
     s.rate = 60.0 / space.plan_ops(small)
-    assert s.shrink(big, small) is None and s.log.too_big == 2
+    assert s.shrink(big, first) is None and s.log.too_big == 2

@@ -32,7 +32,6 @@ import random
 import time
 from typing import Callable
 
-from ..analysis.ftrans import divisors
 from ..ir.digest import graph_digest
 from .algebra_gains import AlgebraGains
 from .linesearch import JUMPS, jump, step_back
@@ -103,26 +102,17 @@ class _Search:
         self.log.too_big += count
         return False
 
-    def shrink(self, plan: tuple, base: tuple) -> tuple | None:
-        """``plan``, a jump from ``base`` along one region's n, or when it would end
-        past the budget the same jump to the largest n between that fits; None
-        when none does. Stopping the line instead left paper BTLM at lat 1.20 on
-        a split in 2 (0.536): the jump to 32 would not fit, 16 would."""
-        if self.fits(plan, count=False):
-            return plan
-        new = set(plan) - set(base)
-        if len(new) == 1:
-            (cid, n), = new
-            c = self.space.cands[cid]
-            same = {cid, c.twin}
-            now = max([m for k, m in base if k in same] or [1])
-            for d in sorted(divisors(c.max_n), reverse=True):
-                if now < d < n:
-                    p = tuple(sorted((k, d if k == cid else m) for k, m in plan))
-                    if self.fits(p, count=False):
-                        return p
-        self.log.too_big += 1
-        return None
+    def shrink(self, plan: tuple, cur: State) -> tuple | None:
+        """``plan``, a jump from ``cur`` along one region's n, or when it would end
+        past the budget the same jump to the largest n between that fits
+        (`linesearch.step_back`, one divisor at a time); None when none does.
+        Stopping the line instead left paper BTLM at lat 1.20 on a split in 2
+        (0.536): the jump to 32 would not fit, 16 would."""
+        while plan is not None and not self.fits(plan, count=False):
+            plan = step_back(self.space, cur, plan)
+        if plan is None:
+            self.log.too_big += 1
+        return plan
 
     def tick(self, done: bool = False) -> None:
         now = time.perf_counter() - self.t0
@@ -237,7 +227,7 @@ class _Search:
                 (tid,) = set(dict(packed.plan)) - set(dict(plan))
                 plan, unpack = _swap_region(plan, cid, tid), (tid, cid)
                 cur, packed = packed, None
-            plan = self.shrink(plan, cur.plan)
+            plan = self.shrink(plan, cur)
             if plan is None:
                 return
             nxt = self.visit(st, "jump", plan, st.batches, set())

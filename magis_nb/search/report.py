@@ -106,7 +106,7 @@ def result_html(r: OptimizeResult) -> str:
     measured = measured_text(r)
     status = "met" if r.met else "<b style='color:#c44e52'>not met</b>"
     note = " (interrupted: best plan so far)" if r.interrupted else ""
-    if getattr(r, "too_big", 0):
+    if r.too_big:
         note += (f"; {r.too_big} bigger plan(s) not tried: they would have ended past "
                  "time_budget (a longer search may go lower)")
     rows = [
