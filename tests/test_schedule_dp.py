@@ -132,3 +132,21 @@ def test_a_huge_block_keeps_the_better_of_hint_and_greedy(monkeypatch):
     assert r.peak == min(p.peak_of(hint)[0], p.peak_of(greedy)[0]) == p.peak_of(r.order)[0]
     monkeypatch.setattr(dp, "MAX_DP_OPS", 5)
     assert solve_block(p, hint).exact
+
+
+def test_a_dp_over_its_work_keeps_the_better_of_hint_and_greedy(monkeypatch):
+    """The DP gives up after DP_WORK / ops expansions (the width caps the states
+    of a level, not the ready ops each one expands: a block with swaps in every
+    part of a split expanded hundreds per state): the better of the hint and the
+    greedy order, marked inexact; with the work it needs, the exact result."""
+    from magis_nb.schedule import dp
+    g = two_branches(after=True)
+    p = block_problems(g, [0, 1, 1, 1, 1, 1, 2], {1: [1, 2, 3, 4, 5]}, 3)[1]
+    hint = [0, 1, 2, 3, 4]
+    whole = solve_block(p, hint)
+    assert whole.exact
+    monkeypatch.setattr(dp, "DP_WORK", 3 * p.m)       # 3 expansions
+    r = solve_block(p, hint)
+    greedy = dp.greedy_order(p)
+    assert not r.exact
+    assert r.peak == min(p.peak_of(hint)[0], p.peak_of(greedy)[0]) == p.peak_of(r.order)[0]

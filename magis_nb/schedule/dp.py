@@ -22,7 +22,12 @@ Huge blocks are the exception (``MAX_DP_OPS``): a state is a bitmask over the
 block's ops, so each expansion costs O(m) and a level of ``MIN_WIDTH`` states
 O(m * width * ready). A block of 55,651 ops (paper GPT-Neo split in 16 with 64
 swaps: the transfers left no narrow waist in the parts) took 279 s in the DP.
-Such a block keeps the better of the hint and the greedy order.
+Such a block keeps the better of the hint and the greedy order. So does a block
+whose DP would expand more than ``DP_WORK / ops`` states: the width caps the
+states per level, not the ready ops each one expands, and a block of a few
+thousand ops with swaps in every part of a split (a Load is ready from its
+Store on) can expand hundreds per state: a 240 s search on paper BTLM split in
+16 was still scheduling one state with swaps in its parts after 14 minutes.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ from .context import BlockProblem
 STATE_BUDGET = 60_000    # states per block before levels get capped
 MIN_WIDTH = 48
 MAX_DP_OPS = 8192        # bigger blocks: hint or greedy order, no DP (Note [bounded DP])
+DP_WORK = 2_000_000_000  # expansions x block ops (each costs O(ops) bit work) before giving up
 
 
 @dataclass
@@ -58,9 +64,10 @@ def greedy_order(p: BlockProblem) -> list[int]:
     return _search(p, width=1, bound=None)[0] or []
 
 
-def _search(p: BlockProblem, width: int, bound: int | None):
+def _search(p: BlockProblem, width: int, bound: int | None, max_expansions: int | None = None):
     """Level-wise DP/beam. Returns (local order or None if bounded out, peak, exact,
-    states)."""
+    states); None, and not exact, also when more than ``max_expansions`` states
+    were expanded."""
     m = p.m
     alloc, frees, pmask, succs = p.alloc, p.frees, p.pred_mask, p.succs
     full = (1 << m) - 1
@@ -76,6 +83,7 @@ def _search(p: BlockProblem, width: int, bound: int | None):
     level = {0: (0, p.base, _ready0(p), -1, -1)}
     history = []
     exact, states = True, 1
+    expansions = 0
     for _ in range(m):
         nxt: dict[int, tuple] = {}
         for mask, (peak, live, ready, _, _) in level.items():
@@ -84,6 +92,9 @@ def _search(p: BlockProblem, width: int, bound: int | None):
             while r:
                 low = r & -r
                 r ^= low
+                expansions += 1
+                if max_expansions is not None and expansions > max_expansions:
+                    return None, bound, False, states
                 v = low.bit_length() - 1
                 step = live + alloc[v]
                 np_ = peak if peak >= step else step
@@ -143,7 +154,7 @@ def solve_block(p: BlockProblem, hint: Sequence[int] | None = None, *,
     if m > MAX_DP_OPS:
         return BlockResult(best, best_peak, False, 1)
     width = max(MIN_WIDTH, budget // m)
-    order, peak, exact, states = _search(p, width, best_peak)
+    order, peak, exact, states = _search(p, width, best_peak, DP_WORK // m)
     if order is not None and peak < best_peak:
         return BlockResult(order, peak, exact, states)
     # Nothing strictly below the bound: the bound's order is optimal when exact.
