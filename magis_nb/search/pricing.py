@@ -6,7 +6,6 @@ from __future__ import annotations
 from ..ir.graph import iter_refs
 from ..rules.remat import can_rematerialize, chain_to_live, written_in_place
 from .space import Remat, Space, State, Swap
-from ..rules.swap import rd_region
 from .transfers import is_load, is_store
 
 
@@ -40,11 +39,6 @@ def ranked(space: Space, st: State) -> tuple[list[Swap], list[Remat]]:
         users = {u for u in readers if pos[u] > st.peak_step}
         if not users:
             continue
-        part = rd_region(g, r.node)
-        if part and any(rd_region(g, u) != part for u in users):
-            continue  # a rewrite in a split region stays in its part
-        # ... and is made in every part (Note [rewrites inside the parts]): n times the price
-        times = g.nodes[r.node].region.parts if part else 1
         before = readers - users
         last_before = max([pos[u] for u in before] + [pos[r.node]])
         first_after = min(pos[u] for u in users)
@@ -55,18 +49,18 @@ def ranked(space: Space, st: State) -> tuple[list[Swap], list[Remat]]:
         xfer = 2 * costs.transfer_cost(size)
         gap = prefix[first_after] - prefix[last_before + 1]
         exposed = max(0.0, xfer - gap) if space.async_copies else xfer
-        swaps.append((times * exposed / size, -size, len(swaps), Swap(src, r.out, names)))
+        swaps.append((exposed / size, -size, len(swaps), Swap(src, r.out, names)))
         # Several hot outputs of one op (max pool's values and indices) make
         # one remat, for all their later users.
-        size0, users0, before0, _ = per_op.get(r.node, (0, frozenset(), False, 1))
-        per_op[r.node] = (size0 + size, users0 | names, before0 or bool(before), times)
-    for a, (size, names, before, times) in per_op.items():
+        size0, users0, before0 = per_op.get(r.node, (0, frozenset(), False))
+        per_op[r.node] = (size0 + size, users0 | names, before0 or bool(before))
+    for a, (size, names, before) in per_op.items():
         # Recomputing an op whose outputs nobody reads before the peak only
         # moves it (the scheduler's job), and leaves a dead original behind.
         if before and can_rematerialize(g, a) is None:
             chain = chain_to_live(g, a, hot_bases)
             if chain is not None:
-                cost = times * sum(costs.recompute(g, v) for v in chain + [a])
+                cost = sum(costs.recompute(g, v) for v in chain + [a])
                 remats.append((cost / size, -size, len(remats),
                                Remat(g.nodes[a].name, names, tuple(g.nodes[v].name for v in chain))))
     remats = compatible(g, [t[-1] for t in sorted(remats)])

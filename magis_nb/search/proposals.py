@@ -13,7 +13,7 @@ from __future__ import annotations
 from ..analysis.ftree import least_parts, mutations
 from .algebra_gains import AlgebraGains, product_of
 from .pricing import ranked
-from .space import Batch, Space, State, every_part
+from .space import Batch, Space, State
 
 SINGLE = 4                 # single-tensor rewrites proposed per state and rule
 BATCHES = (2, 4, 8, 16, 32, 64, 128)  # batch sizes proposed per state and rule
@@ -25,12 +25,8 @@ Proposal = tuple[str, tuple, tuple, set]
 
 
 def _touched(g, kind: str, specs) -> set:
-    """Names of the ops a batch rewrites (the incremental scheduler's seeds); a
-    swap or remat in a split region's part rewrites every part."""
+    """Names of the ops a batch rewrites (the incremental scheduler's seeds)."""
     touched = set()
-    if kind in ("swap", "remat"):
-        ids = {n.name: n.id for n in g.nodes}
-        specs = [t for s in specs for t in every_part(g, ids, s)]
     for s in specs:
         if kind == "merge":
             touched |= set(s.ops)
