@@ -85,3 +85,43 @@ def test_low_precision_dropout_mask_is_drawn_apart_from_its_input_and_packs():
 
     fp32, bf16 = largest(torch.float32), largest(torch.bfloat16)
     assert fp32 > 0.7 and bf16 > 0.9 * fp32
+
+
+class ZeroDropAttention(nn.Module):
+    """Two attention layers with their probabilities through a p=0 dropout (as
+    in many Hugging Face configs): eager returns the probabilities themselves,
+    the capture a clone, which the first layer saved for its backward next to
+    the softmax's output while the second's backward ran."""
+
+    def __init__(self, keep_layout_copy: bool = False):
+        super().__init__()
+        self.qkv = nn.ModuleList(nn.Linear(32, 96) for _ in range(2))
+        self.drop = nn.Dropout(0.0)
+        self.keep = keep_layout_copy
+
+    def forward(self, x):
+        for lin in self.qkv:
+            q, k, v = lin(x).chunk(3, -1)
+            x = x + self.drop((q @ k.transpose(-1, -2)).softmax(-1)) @ v
+        if self.keep:      # a copy that changes the layout stays a copy
+            x = x.transpose(0, 1).contiguous()
+        return x.pow(2).mean()
+
+
+def test_a_clone_that_copies_nothing_is_read_through_and_the_peak_is_eagers():
+    from magis_nb.verify import Reference
+
+    torch.manual_seed(0)
+    m = ZeroDropAttention()
+    x = torch.randn(4, 256, 32)
+    prog = trace(m, (x,))
+    assert "aten.clone.default" not in [n.target for n in prog.graph.ops]
+    ref = Reference(m, (x,), None, "train")
+    chk = ref.check(prog.module())
+    assert chk.comparison.allclose, chk.comparison.mismatches
+    # each layer's probabilities (1 MiB) are saved once, as in eager
+    assert chk.measured_peak == prog.simulate().peak
+    assert abs(chk.measured_peak - ref.eager_peak) < 2**20 // 8
+
+    kept = trace(ZeroDropAttention(keep_layout_copy=True), (x,))
+    assert "aten.clone.default" in [n.target for n in kept.graph.ops]
