@@ -25,8 +25,6 @@ def view_chain(g: Graph, r: Ref, base: Ref) -> list[Ref]:
     return chain[::-1]
 
 
-
-
 class Redirect:
     """Inside a Rewriter rule: copy node ``n`` so that its reads of the tensors in
     ``bases`` (or of views of them) go to their replacements (or to the same views
@@ -51,6 +49,7 @@ class Redirect:
                 nid = rw.add(vn.name + "_re", vn.target, vn.op, args, dict(vn.kwargs), infos,
                              vn.category)
                 rw.nodes[nid].multi = vn.multi
+                rw.nodes[nid].region = vn.region    # a part's view stays in its part
                 for k, t in enumerate(vn.outputs):
                     if t is not None:
                         self.rebuilt.setdefault(Ref(v.node, k), Ref(nid, k))

@@ -25,7 +25,9 @@ block's BatchNorm and ReLU costs a fifth of what it did. `recompute_graph` is
 the same copy alone, for pricing a remat before it is applied.
 
 Never recomputed: RNG ops (a recompute would draw a new dropout mask and train a
-different model), ops that write into an input, and ops inside a fission region.
+different model) and ops that write into an input. An op of a split fission
+region is recomputed for readers in its own part only (Note [rewrites inside
+the parts] in `search.space`); its copy belongs to that part.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from typing import Iterable
 
 import torch
 
-from ..ir.graph import Graph, Node, Ref, TensorInfo, iter_refs, map_refs
+from ..ir.graph import Graph, Node, Ref, Region, TensorInfo, iter_refs, map_refs
 from ..ir.passes import Rewriter, prune_dead_views, writes_into_input
 from ..simulate.cost import is_training_batch_norm
 from .redirect import Redirect
@@ -70,8 +72,13 @@ def can_rematerialize(g: Graph, a: int) -> str | None:
         return f"{n.name} is a graph input"
     if n.rng:
         return f"{n.name} draws random numbers"
-    if writes_into_input(n) or n.deps or n.region:
-        return f"{n.name} writes into a tensor or belongs to a fission region"
+    if writes_into_input(n):
+        return f"{n.name} writes into a tensor"
+    # A split region's part ops carry deps that only order the parts
+    # (`proto.order_after`); their copy reads the part's own tensors, so it
+    # runs after them anyway. Elsewhere deps order in-place writes.
+    if n.deps and not isinstance(n.region, Region):
+        return f"{n.name} is ordered after an in-place write"
     if not isinstance(n.op, torch._ops.OpOverload):
         return f"{n.name} is not an ATen op"
     # An output filled in place later (a dropout mask: empty, then bernoulli_ into
@@ -80,6 +87,12 @@ def can_rematerialize(g: Graph, a: int) -> str | None:
     for i, t in enumerate(n.outputs):
         if t is not None and Ref(a, i) in written:
             return f"{n.name}'s output is written in place by {written[Ref(a, i)]}"
+    if isinstance(n.region, Region):
+        # Parts add into full-size sums in place (`add_`, `addmm_`): a copy run
+        # later than the original would read a sum that has moved on.
+        for r in iter_refs((n.args, n.kwargs)):
+            if g.storage_of(r) in written:
+                return f"{n.name} reads {g.nodes[r.node].name}, written in place"
     return None
 
 
@@ -194,6 +207,7 @@ def rematerialize_all(g: Graph, specs: Iterable[tuple]) -> Graph:
             def fix(r: Ref, *rest) -> Ref:
                 return made[r] if r in made else rw.fix(r, *rest)
 
+            start = len(rw.nodes)
             for v in chain + (a,):
                 src = g.nodes[v]
                 if is_training_batch_norm(src):
@@ -205,6 +219,8 @@ def rematerialize_all(g: Graph, specs: Iterable[tuple]) -> Graph:
                              map_refs(src.kwargs, fix), new_outs, src.category)
                 rw.nodes[cid].multi = src.multi
                 made.update({Ref(v, i): Ref(cid, i) for i in range(len(src.outputs))})
+            for i in range(start, len(rw.nodes)):    # a part's copies are that part's
+                rw.nodes[i].region = g.nodes[a].region
             copy_of[k].update({r: made[r] for r in outs[k]})
         if n.id in by_user:
             mine: dict[Ref, Ref] = {}

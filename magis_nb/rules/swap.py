@@ -9,7 +9,9 @@ input with role ("pool", i) and category "host"): the Store is an in-place
 buffers count as host memory, not device memory, in the simulator and in the CPU
 tracker (they exist before the step and are written in place). On CPU the copies
 are synchronous; asynchronous copies on a CUDA stream are the GPU runtime's job.
-``unswap`` is the inverse and restores the digest.
+``unswap`` is the inverse and restores the digest. An output of a split
+fission region's op is swapped for readers in its own part only; Store and Load
+then belong to that part (Note [rewrites inside the parts] in `search.space`).
 
 A user may read ``a``'s output through views (the backward reads saved
 activations through ``detach``): the views are rebuilt on the loaded copy.
@@ -57,6 +59,12 @@ def swap_ops(g: Graph) -> tuple[list[int], list[int]]:
     return stores, loads
 
 
+def rd_region(g: Graph, v: int) -> tuple:
+    """(region, part) of op ``v`` in a split fission region; () outside one."""
+    reg = g.nodes[v].region
+    return tuple(reg[:2]) if reg else ()
+
+
 def swap(g: Graph, a: Ref, users: Iterable[int]) -> Graph:
     """``users`` read ``a``'s output directly or through views of it; they get the
     loaded copy (views are rebuilt on it), so ``a``'s storage can die after its
@@ -75,9 +83,11 @@ def swap_all(g: Graph, specs: Iterable[tuple[Ref, Iterable[int]]]) -> Graph:
     for a, users in specs:
         t = g.tensor(a)
         src = g.nodes[a.node]
-        if src.kind != "op" or t.alias is not None or src.region:
-            raise ValueError(f"{src.name}: only an op's own (non-view) output outside a "
-                             "fission region can be swapped")
+        if src.kind != "op" or t.alias is not None:
+            raise ValueError(f"{src.name}: only an op's own (non-view) output can be swapped")
+        if src.region and any(rd_region(g, u) != rd_region(g, a.node) for u in users):
+            raise ValueError(f"{src.name} is in a fission region: its swap serves "
+                             "readers in its own part only")
         if a in written:
             # the Store would copy it before the in-place write fills it
             raise ValueError(f"{src.name}'s output is written in place by {written[a]}")
@@ -108,6 +118,7 @@ def swap_all(g: Graph, specs: Iterable[tuple[Ref, Iterable[int]]]) -> Graph:
                               {"device": torch.device("cpu")},
                               [TensorInfo(t.shape, t.dtype, t.nbytes, None, t.stride, t.device)],
                               src.category)
+            rw.nodes[loads[k]].region = src.region
         if n.id in by_user:
             redirect.copy(rw, n, {specs[k][0]: Ref(loads[k], 0) for k in by_user[n.id]})
         else:
@@ -127,6 +138,7 @@ def swap_all(g: Graph, specs: Iterable[tuple[Ref, Iterable[int]]]) -> Graph:
             stores[k] = rw.add(src.name + "_store", "aten.copy_.default",
                                aten.copy_.default, (pool, rw.fix(a)), {},
                                [TensorInfo(t.shape, t.dtype, 0, pool, t.stride, t.device)], "host")
+            rw.nodes[stores[k]].region = src.region
         return True
 
     return prune_dead_views(Rewriter(g).run(rule))

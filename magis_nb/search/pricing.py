@@ -3,13 +3,26 @@ heuristic H2): only tensors live at the peak, the cheapest per byte saved first.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from ..ir.graph import iter_refs
 from ..rules.remat import can_rematerialize, chain_to_live, written_in_place
+from ..rules.swap import rd_region
 from .space import Remat, Space, State, Swap
 from .transfers import is_load, is_store
 
 
-def ranked(space: Space, st: State) -> tuple[list[Swap], list[Remat]]:
+class Ranked(NamedTuple):
+    """A state's swap and remat candidates, cheapest per byte first: on ops
+    outside every split region, and on a split region's part ops (made in every
+    part, Note [rewrites inside the parts] in `search.space`)."""
+    swaps: list[Swap]
+    remats: list[Remat]
+    inner_swaps: list[Swap]
+    inner_remats: list[Remat]
+
+
+def ranked(space: Space, st: State) -> Ranked:
     """Swap and remat candidates among the peak's tensors, cheapest per byte first.
 
     A swap costs the part of its Store + Load that the compute between the
@@ -28,43 +41,58 @@ def ranked(space: Space, st: State) -> tuple[list[Swap], list[Remat]]:
     prefix = [0.0]
     for v in st.order:
         prefix.append(prefix[-1] + costs.of(g, v))
-    hot_bases = {r for _, r in st.hot}
+    # Kept apart so that a state's proposals outside the parts are what they
+    # were before rewrites inside the parts existed: a short search spends its
+    # few states on those first (`proposals`).
+    outer = [(size, r) for size, r in st.hot if not rd_region(g, r.node)]
     written = written_in_place(g)
-    swaps, remats = [], []
-    per_op: dict[int, tuple] = {}  # op -> (hot bytes, later users, read before the peak)
-    for size, r in st.hot:
-        readers = rd.get(r, set())
-        if any(is_store(g, u) for u in readers):
-            continue  # swapped already; its users read the loaded copy
-        users = {u for u in readers if pos[u] > st.peak_step}
-        if not users:
-            continue
-        before = readers - users
-        last_before = max([pos[u] for u in before] + [pos[r.node]])
-        first_after = min(pos[u] for u in users)
-        names = frozenset(g.nodes[u].name for u in users)
-        src = g.nodes[r.node].name
-        if r in written or is_load(g, r.node):
-            continue  # a loaded copy is not swapped again: its Load is moved instead
-        xfer = 2 * costs.transfer_cost(size)
-        gap = prefix[first_after] - prefix[last_before + 1]
-        exposed = max(0.0, xfer - gap) if space.async_copies else xfer
-        swaps.append((exposed / size, -size, len(swaps), Swap(src, r.out, names)))
-        # Several hot outputs of one op (max pool's values and indices) make
-        # one remat, for all their later users.
-        size0, users0, before0 = per_op.get(r.node, (0, frozenset(), False))
-        per_op[r.node] = (size0 + size, users0 | names, before0 or bool(before))
-    for a, (size, names, before) in per_op.items():
-        # Recomputing an op whose outputs nobody reads before the peak only
-        # moves it (the scheduler's job), and leaves a dead original behind.
-        if before and can_rematerialize(g, a) is None:
-            chain = chain_to_live(g, a, hot_bases)
-            if chain is not None:
-                cost = sum(costs.recompute(g, v) for v in chain + [a])
-                remats.append((cost / size, -size, len(remats),
-                               Remat(g.nodes[a].name, names, tuple(g.nodes[v].name for v in chain))))
-    remats = compatible(g, [t[-1] for t in sorted(remats)])
-    return ([t[-1] for t in sorted(swaps)] if space.swap else []), remats
+    out = []
+    for hot, bases in ((outer, {r for _, r in outer}), (st.hot, {r for _, r in st.hot})):
+        inner = hot is st.hot
+        swaps, remats = [], []
+        per_op: dict[int, tuple] = {}  # op -> (hot bytes, later users, read before the peak)
+        for size, r in hot:
+            part = rd_region(g, r.node)
+            if bool(part) != inner:
+                continue
+            readers = rd.get(r, set())
+            if any(is_store(g, u) for u in readers):
+                continue  # swapped already; its users read the loaded copy
+            users = {u for u in readers if pos[u] > st.peak_step}
+            if not users:
+                continue
+            if part and any(rd_region(g, u) != part for u in users):
+                continue  # a rewrite in a split region stays in its part
+            # ... and is made in every part (Note [rewrites inside the parts]): n times the price
+            times = g.nodes[r.node].region.parts if part else 1
+            before = readers - users
+            last_before = max([pos[u] for u in before] + [pos[r.node]])
+            first_after = min(pos[u] for u in users)
+            names = frozenset(g.nodes[u].name for u in users)
+            src = g.nodes[r.node].name
+            if r in written or is_load(g, r.node):
+                continue  # a loaded copy is not swapped again: its Load is moved instead
+            xfer = 2 * costs.transfer_cost(size)
+            gap = prefix[first_after] - prefix[last_before + 1]
+            exposed = max(0.0, xfer - gap) if space.async_copies else xfer
+            swaps.append((times * exposed / size, -size, len(swaps), Swap(src, r.out, names)))
+            # Several hot outputs of one op (max pool's values and indices) make
+            # one remat, for all their later users.
+            size0, users0, before0, _ = per_op.get(r.node, (0, frozenset(), False, 1))
+            per_op[r.node] = (size0 + size, users0 | names, before0 or bool(before), times)
+        for a, (size, names, before, times) in per_op.items():
+            # Recomputing an op whose outputs nobody reads before the peak only
+            # moves it (the scheduler's job), and leaves a dead original behind.
+            if before and can_rematerialize(g, a) is None:
+                chain = chain_to_live(g, a, bases)
+                if chain is not None:
+                    cost = times * sum(costs.recompute(g, v) for v in chain + [a])
+                    remats.append((cost / size, -size, len(remats),
+                                   Remat(g.nodes[a].name, names,
+                                         tuple(g.nodes[v].name for v in chain))))
+        out.append([t[-1] for t in sorted(swaps)] if space.swap else [])
+        out.append(compatible(g, [t[-1] for t in sorted(remats)]))
+    return Ranked(*out)
 
 
 def compatible(g, remats: list[Remat]) -> list[Remat]:

@@ -6,14 +6,16 @@ training peak holds hundreds of saved activations: one tensor per step would
 need hundreds of steps), with their users being the readers after the peak.
 F-Tree rules: enable the best-scoring candidates, mutate n, lift, disable,
 pack. TASO subset: see `algebra_gains`. Inverse rules: drop one of the latest
-batches (de-swap, de-remat).
+batches (de-swap, de-remat). Last, the same swap and remat families on a split
+region's part ops, each made in every part (Note [rewrites inside the parts] in
+`space`).
 """
 from __future__ import annotations
 
 from ..analysis.ftree import least_parts, mutations
 from .algebra_gains import AlgebraGains, product_of
 from .pricing import ranked
-from .space import Batch, Space, State
+from .space import Batch, Space, State, every_part
 
 SINGLE = 4                 # single-tensor rewrites proposed per state and rule
 BATCHES = (2, 4, 8, 16, 32, 64, 128)  # batch sizes proposed per state and rule
@@ -24,9 +26,13 @@ UNDO = 3                   # latest batches an inverse rule may drop
 Proposal = tuple[str, tuple, tuple, set]
 
 
-def _touched(g, kind: str, specs) -> set:
-    """Names of the ops a batch rewrites (the incremental scheduler's seeds)."""
+def _touched(g, kind: str, specs, ids: dict | None = None) -> set:
+    """Names of the ops a batch rewrites (the incremental scheduler's seeds); a
+    swap or remat in a split region's part rewrites every part (``ids``: op
+    name -> id in ``g``, given for those)."""
     touched = set()
+    if ids is not None:
+        specs = [t for s in specs for t in every_part(g, ids, s)]
     for s in specs:
         if kind == "merge":
             touched |= set(s.ops)
@@ -67,23 +73,27 @@ def proposals(space: Space, st: State, algebra: AlgebraGains | None = None) -> l
     order the search evaluates them. ``algebra`` keeps the TASO prices of the
     plans seen so far (a search passes its own; None prices afresh)."""
     algebra = algebra or AlgebraGains(space)
-    swaps, remats = ranked(space, st)
+    r = ranked(space, st)
     out: list[Proposal] = []
+    ids = {n.name: n.id for n in st.graph.nodes} if r.inner_swaps or r.inner_remats else None
 
-    def add(rule, kind, specs):
+    def add(rule, kind, specs, inner=False):
         if specs:
             out.append((rule, st.plan, st.batches + (Batch(kind, frozenset(specs)),),
-                        _touched(st.graph, kind, specs)))
+                        _touched(st.graph, kind, specs, ids if inner else None)))
 
-    # Big steps first: when the search is cut short (time, max_states) the
-    # children it did evaluate are the ones that move the peak the most.
-    for k in sorted(BATCHES, reverse=True):
+    def rewrites(swaps, remats, tag=""):
+        # Big steps first: when the search is cut short (time, max_states) the
+        # children it did evaluate are the ones that move the peak the most.
+        for k in sorted(BATCHES, reverse=True):
+            for kind, cand in (("swap", swaps), ("remat", remats)):
+                if len(cand) >= k:
+                    add(f"{kind}{tag}x{k}", kind, cand[:k], bool(tag))
         for kind, cand in (("swap", swaps), ("remat", remats)):
-            if len(cand) >= k:
-                add(f"{kind}x{k}", kind, cand[:k])
-    for kind, cand in (("swap", swaps), ("remat", remats)):
-        for s in cand[:SINGLE]:
-            add(kind, kind, [s])
+            for s in cand[:SINGLE]:
+                add(kind + tag, kind, [s], bool(tag))
+
+    rewrites(r.swaps, r.remats)
     packs, fission = _fission(space, st)
     out = packs + out + fission
     for rule, specs in algebra.children(st):
@@ -91,6 +101,13 @@ def proposals(space: Space, st: State, algebra: AlgebraGains | None = None) -> l
     for i in range(max(0, len(st.batches) - UNDO), len(st.batches)):
         out.append((f"undo-{st.batches[i].kind}", st.plan,
                     st.batches[:i] + st.batches[i + 1:], set()))
+    # Rewrites inside a split region's parts come last: each touches every part
+    # (no incremental schedule) and costs a state several times a rewrite
+    # outside, so a short search must not spend its states on them before the
+    # rest (notebook 05's 5 s search at --mem 0.6 missed its budget when they
+    # were mixed in). After a whole-step split nearly every activation is a
+    # part's, the lists above are short and these come soon.
+    rewrites(r.inner_swaps, r.inner_remats, "-in-parts")
     return out
 
 

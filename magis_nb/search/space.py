@@ -12,6 +12,7 @@ Stores and Loads placed to hide transfers, and simulated for memory and latency.
 """
 from __future__ import annotations
 
+import re
 import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -21,12 +22,12 @@ from ..analysis.spatial import spatial_candidates
 from ..analysis.ftree import add_pack_twins
 from ..distributed import DataParallel, add_buckets
 from ..ir.digest import graph_digest
-from ..ir.graph import Graph, Ref, iter_refs
+from ..ir.graph import Graph, Ref, Region, iter_refs
 from ..program import Program
 from ..rules.algebra import merge_all, why_not_merge
 from ..rules.remat import can_rematerialize, recompute_graph, rematerialize_all, written_in_place
 from ..rules.scale import sink_all, why_not_sink
-from ..rules.swap import swap_all
+from ..rules.swap import rd_region, swap_all
 from ..schedule import BlockCache, reschedule, schedule
 from ..simulate.cost import is_training_batch_norm
 from ..simulate.latency import simulate_latency
@@ -198,43 +199,27 @@ class Space:
         return g
 
     def apply(self, g: Graph, batch: Batch) -> tuple[Graph, Batch]:
-        """``batch`` on ``g``, keeping the specs that still apply there."""
+        """``batch`` on ``g``, keeping the specs that still apply there. A spec
+        on an op of a split region applies in every part (Note [rewrites inside
+        the parts])."""
         if batch.kind in ("merge", "sink"):
             return _apply_algebra(g, batch)
         ids = {n.name: n.id for n in g.nodes}
         rd = g.readers()
         written = written_in_place(g)
-        kept, args = [], []
-        for s in sorted(batch.specs):
-            if batch.kind == "swap":
-                p = ids.get(s.producer)
-                if p is None or g.nodes[p].kind != "op" or g.nodes[p].region \
-                        or s.out >= len(g.nodes[p].outputs) or g.nodes[p].outputs[s.out] is None \
-                        or g.nodes[p].outputs[s.out].alias is not None:
+        kept, args, taken = [], [], set()
+        for spec in sorted(batch.specs):
+            ok = False
+            for s in every_part(g, ids, spec):
+                one = _swap_arg(g, ids, rd, written, s) if batch.kind == "swap" \
+                    else _remat_arg(g, ids, rd, s)
+                if one is None or one[0] in taken:
                     continue
-                a = Ref(p, s.out)
-                if a in written or is_load(g, p):
-                    continue
-                users = {ids.get(u) for u in s.users}
-                if None in users or not users <= rd.get(a, set()) \
-                        or any(_moves(g, u) for u in users):
-                    continue
-                kept.append(s)
-                args.append((a, users))
-            else:
-                a = ids.get(s.op)
-                chain = tuple(ids.get(c) for c in s.chain)
-                if a is None or None in chain or any(can_rematerialize(g, v) is not None
-                                                     for v in chain + (a,)) \
-                        or list(chain) != sorted(chain) or (chain and chain[-1] >= a):
-                    continue
-                outs = {Ref(a, i) for i, t in enumerate(g.nodes[a].outputs) if t is not None}
-                reach = set().union(*(rd.get(g.storage_of(r), set()) for r in outs))
-                users = {ids.get(u) for u in s.users}
-                if None in users or not users <= reach:
-                    continue
-                kept.append(s)
-                args.append((a, users, chain))
+                taken.add(one[0])
+                args.append(one)
+                ok = True
+            if ok:
+                kept.append(spec)
         if not args:
             return g, Batch(batch.kind, frozenset())
         g2 = swap_all(g, args) if batch.kind == "swap" else rematerialize_all(g, args)
@@ -267,17 +252,15 @@ class Space:
             live = [tl0.live[i] for i, v in enumerate(nodes) if not _moves(graph, v)]
             nodes = place_transfers(graph, nodes, dur, self.costs.transfer_cost, live)
         if self.comm is not None:
-            latency, tl, mg, refs, graph_b = self.with_buckets(graph, nodes)
+            latency, tl, mg, refs, _ = self.with_buckets(graph, nodes)
         else:
             latency = self._latency(graph, nodes)
             tl = simulate_memory(mg, [index[v] for v in nodes])
-            graph_b = graph
         hot = []
         for i in tl.hotspots:
             st = mg.storages[i]
             r = refs[i]
-            if st.category == "activation" and st.producer >= 0 and st.size > 0 \
-                    and not graph_b.nodes[r.node].region:
+            if st.category == "activation" and st.producer >= 0 and st.size > 0:
                 hot.append((st.size, r))
         hot.sort(key=lambda t: (-t[0], t[1].node, t[1].out))
         self.evaluated += 1
@@ -347,6 +330,88 @@ def _local(order_names: list[str], touched: set[str]) -> bool:
         return False
     pos = [i for i, nm in enumerate(order_names) if nm in touched]
     return bool(pos) and max(pos) - min(pos) <= INCREMENTAL_SPAN * len(order_names)
+
+
+def _swap_arg(g: Graph, ids, rd, written, s: Swap):
+    """(tensor, users) of swap ``s`` on ``g``, or None when it no longer applies."""
+    p = ids.get(s.producer)
+    if p is None or g.nodes[p].kind != "op" \
+            or s.out >= len(g.nodes[p].outputs) or g.nodes[p].outputs[s.out] is None \
+            or g.nodes[p].outputs[s.out].alias is not None:
+        return None
+    a = Ref(p, s.out)
+    if a in written or is_load(g, p):
+        return None
+    users = {ids.get(u) for u in s.users}
+    if None in users or not users <= rd.get(a, set()) \
+            or any(_moves(g, u) for u in users) \
+            or any(rd_region(g, u) != rd_region(g, p) for u in users):
+        return None
+    return a, users
+
+
+def _remat_arg(g: Graph, ids, rd, s: Remat):
+    """(op, users, chain) of remat ``s`` on ``g``, or None when it no longer applies."""
+    a = ids.get(s.op)
+    chain = tuple(ids.get(c) for c in s.chain)
+    if a is None or None in chain or any(can_rematerialize(g, v) is not None
+                                         for v in chain + (a,)) \
+            or list(chain) != sorted(chain) or (chain and chain[-1] >= a):
+        return None
+    outs = {Ref(a, i) for i, t in enumerate(g.nodes[a].outputs) if t is not None}
+    reach = set().union(*(rd.get(g.storage_of(r), set()) for r in outs))
+    users = {ids.get(u) for u in s.users}
+    if None in users or not users <= reach:
+        return None
+    part = rd_region(g, a)
+    if any(rd_region(g, v) != part for v in chain + tuple(users)):
+        return None
+    return a, users, chain
+
+
+# Note [rewrites inside the parts]
+# A split region's parts are the same ops on slices, one part after another: a
+# whole-step batch split runs part k's forward and backward before part k+1's.
+# Each part's saved activations then make the peak (paper GPT-Neo split in 16:
+# 3.1 GB of a part's activations next to 5.2 GB of weights and gradient sums),
+# and a part is where they can be recomputed or swapped. A swap or remat on an
+# op of a part serves readers in that part only (it never crosses the region's
+# boundary, DESIGN.md §5), and it is applied in every part: the peak moves from
+# part to part otherwise. Part ops are named ``{op}_p{k}`` (``_pv{k}`` for a
+# part's slice, rewrites add suffixes such as ``_re`` or ``_load``): a spec named
+# in part k is the same names with k replaced, in each part that has them all.
+# Such a rewrite costs a state more than one outside the parts (it touches every
+# part, so no incremental schedule), and `pricing.ranked` lists them apart:
+# a state proposes them after all its other children (`proposals`).
+_PART = re.compile(r"_p(v?)(\d+)((?:_re|_var|_load|_store)*)$")
+
+
+def every_part(g: Graph, ids, spec):
+    """``spec`` (a Swap or Remat) once per part of the split region its op is in,
+    renamed for each part; ``[spec]`` outside a region (or when a name is not a
+    part op's)."""
+    head = ids.get(spec.producer if isinstance(spec, Swap) else spec.op)
+    reg = g.nodes[head].region if head is not None else ()
+    if not isinstance(reg, Region) or reg.parts < 2:
+        return [spec]
+    k = str(reg.part)
+    names = [spec.producer if isinstance(spec, Swap) else spec.op, *spec.users,
+             *getattr(spec, "chain", ())]
+    if any(not (m := _PART.search(nm)) or m.group(2) != k for nm in names):
+        return [spec]
+
+    def rename(nm: str, j: int) -> str:
+        return _PART.sub(lambda m: f"_p{m.group(1)}{j}{m.group(3)}", nm)
+
+    out = []
+    for j in range(reg.parts):
+        if isinstance(spec, Swap):
+            out.append(Swap(rename(spec.producer, j), spec.out,
+                            frozenset(rename(u, j) for u in spec.users)))
+        else:
+            out.append(Remat(rename(spec.op, j), frozenset(rename(u, j) for u in spec.users),
+                             tuple(rename(c, j) for c in spec.chain)))
+    return out
 
 
 def _moves(g: Graph, v: int) -> bool:
