@@ -8,10 +8,10 @@ each length: eager's step, the magis plan for a memory budget equal to eager's
 measured peak at L or its simulated one, the lower (`optimize(mem_budget=bytes)`,
 swap off: on the CPU host and device memory are the same RAM), and the peers
 on the same harness (`bench.peers_harness.measure`): activation checkpointing
-around every block, and torch.compile at ``activation_memory_budget`` 0. Peaks are process memory
-(`peers_harness`: what is live before the step, weights and inputs, plus the
-step's profiled peak); times are medians of steps interleaved with eager's at
-the same length. allclose: loss and every gradient against eager.
+around every block, and torch.compile at ``activation_memory_budget`` 0. Peaks
+are process memory (`peers_harness`: what is live before the step, weights and
+inputs, plus the step's profiled peak); times are medians of steps interleaved
+with eager's at the same length. allclose: loss and every gradient against eager.
 
 JSON rows: model, seq, eager_peak_at_L, plan_peak, lat_ratio (plan vs eager at
 the same length), peer_best_peak (the lowest peak of any peer at that length),

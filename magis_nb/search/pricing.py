@@ -44,17 +44,17 @@ def ranked(space: Space, st: State) -> Ranked:
     # Kept apart so that a state's proposals outside the parts are what they
     # were before rewrites inside the parts existed: a short search spends its
     # few states on those first (`proposals`).
-    outer = [(size, r) for size, r in st.hot if not rd_region(g, r.node)]
+    outer, inside = [], []
+    for size, r in st.hot:
+        (inside if rd_region(g, r.node) else outer).append((size, r))
     written = written_in_place(g)
     out = []
-    for hot, bases in ((outer, {r for _, r in outer}), (st.hot, {r for _, r in st.hot})):
-        inner = hot is st.hot
+    # outside rewrites may start from outside tensors only; inside ones from any
+    for hot, bases in ((outer, {r for _, r in outer}), (inside, {r for _, r in st.hot})):
         swaps, remats = [], []
         per_op: dict[int, tuple] = {}  # op -> (hot bytes, later users, read before the peak)
         for size, r in hot:
             part = rd_region(g, r.node)
-            if bool(part) != inner:
-                continue
             readers = rd.get(r, set())
             if any(is_store(g, u) for u in readers):
                 continue  # swapped already; its users read the loaded copy
