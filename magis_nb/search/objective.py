@@ -42,6 +42,9 @@ class SearchLog:
     # children not built: predicted to end past the time budget (Note [a state's
     # cost before it is built] in search.algorithm)
     too_big: int = 0
+    # F-Tree children not built under a latency budget: predicted over it
+    # (`_Search.too_slow`)
+    over: int = 0
 
 
 def pareto_add(front: list[State], s: State) -> list[State]:

@@ -5,11 +5,21 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..ir.graph import iter_refs
+from ..ir.graph import Ref, iter_refs
 from ..rules.remat import can_rematerialize, chain_to_live, written_in_place
 from ..rules.swap import rd_region
 from .space import Remat, Space, State, Swap
 from .transfers import is_load, is_store
+
+
+# The share of a step's time its copy stream can be busy with swaps before they
+# show: each copy runs in its own tensor's window (a Store after its producer and
+# before the peak, a Load after the peak and before its reader), and in a
+# training step those windows are the forward's end and the backward's start.
+# Paper BTLM split in 16 (x1.085, 5.04 s): its swaps in the parts, 0.0253 s of
+# copies each, all hidden one at a time; 94 of them hid together, 128 added
+# 0.40 s and 202 (the whole idle stream) 1.40 s. At a half, 102 fit.
+COPY_SHARE = 0.5
 
 
 class Ranked(NamedTuple):
@@ -20,6 +30,24 @@ class Ranked(NamedTuple):
     remats: list[Remat]
     inner_swaps: list[Swap]
     inner_remats: list[Remat]
+    # each candidate's price: the step time it is expected to add (seconds), for
+    # every part it is made in; a batch's is the sum, and for swaps at least the
+    # copy stream's overflow (`batch_price`; `proposals` keeps a latency budget's
+    # batches within what the state has left)
+    price: dict
+    copy: dict         # swap -> seconds its Store and Load take on the copy stream
+    copy_idle: float   # seconds of copies the state's step could still hide (COPY_SHARE)
+
+
+def batch_price(r: Ranked, specs) -> float:
+    """The least step time a batch of ``specs`` (ranked swaps or remats) adds.
+    Swaps priced one at a time hide behind the compute around them, but their
+    copies share one copy stream: a swap batch adds at least what its copies
+    take beyond the stream's idle time (paper BTLM split in 16: each of the
+    parts' swaps alone hides, 128 of them went x1.085 -> x1.170)."""
+    own = sum(r.price[s] for s in specs)
+    copies = sum(r.copy.get(s, 0.0) for s in specs)
+    return max(own, copies - r.copy_idle)
 
 
 def ranked(space: Space, st: State) -> Ranked:
@@ -48,7 +76,12 @@ def ranked(space: Space, st: State) -> Ranked:
     for size, r in st.hot:
         (inside if rd_region(g, r.node) else outer).append((size, r))
     written = written_in_place(g)
-    out = []
+    out: list = []
+    price: dict = {}
+    copy: dict = {}
+    busy = sum(costs.transfer_cost(g.tensor(g.nodes[v].args[1]).nbytes) if is_store(g, v) else
+               costs.transfer_cost(g.tensor(Ref(v, 0)).nbytes) for v in st.order
+               if is_store(g, v) or is_load(g, v)) if space.async_copies else 0.0
     # outside rewrites may start from outside tensors only; inside ones from any
     for hot, bases in ((outer, {r for _, r in outer}), (inside, {r for _, r in st.hot})):
         swaps, remats = [], []
@@ -75,7 +108,11 @@ def ranked(space: Space, st: State) -> Ranked:
             xfer = 2 * costs.transfer_cost(size)
             gap = prefix[first_after] - prefix[last_before + 1]
             exposed = max(0.0, xfer - gap) if space.async_copies else xfer
-            swaps.append((times * exposed / size, -size, len(swaps), Swap(src, r.out, names)))
+            sw = Swap(src, r.out, names)
+            price[sw] = times * exposed
+            if space.async_copies:
+                copy[sw] = times * xfer
+            swaps.append((times * exposed / size, -size, len(swaps), sw))
             # Several hot outputs of one op (max pool's values and indices) make
             # one remat, for all their later users.
             size0, users0, before0, _ = per_op.get(r.node, (0, frozenset(), False, 1))
@@ -87,12 +124,12 @@ def ranked(space: Space, st: State) -> Ranked:
                 chain = chain_to_live(g, a, bases)
                 if chain is not None:
                     cost = times * sum(costs.recompute(g, v) for v in chain + [a])
-                    remats.append((cost / size, -size, len(remats),
-                                   Remat(g.nodes[a].name, names,
-                                         tuple(g.nodes[v].name for v in chain))))
+                    rm = Remat(g.nodes[a].name, names, tuple(g.nodes[v].name for v in chain))
+                    price[rm] = cost
+                    remats.append((cost / size, -size, len(remats), rm))
         out.append([t[-1] for t in sorted(swaps)] if space.swap else [])
         out.append(compatible(g, [t[-1] for t in sorted(remats)]))
-    return Ranked(*out)
+    return Ranked(*out, price, copy, COPY_SHARE * st.latency - busy)
 
 
 def compatible(g, remats: list[Remat]) -> list[Remat]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ..analysis.ftree import least_parts, mutations
 from .algebra_gains import AlgebraGains, product_of
-from .pricing import ranked
+from .pricing import Ranked, batch_price, ranked
 from .space import Batch, Space, State, every_part
 
 SINGLE = 4                 # single-tensor rewrites proposed per state and rule
@@ -68,14 +68,42 @@ def _fission(space: Space, st: State) -> tuple[list[Proposal], list[Proposal]]:
     return packs, out
 
 
-def proposals(space: Space, st: State, algebra: AlgebraGains | None = None) -> list[Proposal]:
+def batch_sizes(cands: list, r: Ranked, headroom: float | None) -> list[int]:
+    """The batch sizes proposed from ``cands`` (ranked, cheapest per byte first),
+    biggest first: BATCHES that there are enough candidates for. Under a latency
+    budget (``headroom``: seconds the state has left under it) only those whose
+    summed price fits, and the largest prefix that fits when it is none of them:
+    a split step is often a few hundredths of a second under the budget, where
+    the power of two above what fits costs a state of ~40 s to learn it is over
+    (paper BTLM split in 16: 128 swaps in the parts went x1.085 -> x1.170, and
+    the remats x1.132; 40-50 s each). Prices are lower bounds (`batch_price`)."""
+    if headroom is None:
+        return [k for k in sorted(BATCHES, reverse=True) if len(cands) >= k]
+    fit, own, copies = 0, 0.0, 0.0
+    for s in cands:
+        own += r.price[s]
+        copies += r.copy.get(s, 0.0)
+        if max(own, copies - r.copy_idle) > headroom:
+            break
+        fit += 1
+    sizes = {k for k in BATCHES if k <= fit}
+    if fit >= 2:
+        sizes.add(fit)
+    return sorted(sizes, reverse=True)
+
+
+def proposals(space: Space, st: State, algebra: AlgebraGains | None = None,
+              lat_limit: float | None = None) -> list[Proposal]:
     """Children of ``st`` as (rule, plan, batches, touched op names), in the
     order the search evaluates them. ``algebra`` keeps the TASO prices of the
-    plans seen so far (a search passes its own; None prices afresh)."""
+    plans seen so far (a search passes its own; None prices afresh).
+    ``lat_limit`` (a latency budget, seconds): swap and remat batches are only
+    proposed where their price fits in what ``st`` has left under it."""
     algebra = algebra or AlgebraGains(space)
     r = ranked(space, st)
     out: list[Proposal] = []
     ids = {n.name: n.id for n in st.graph.nodes} if r.inner_swaps or r.inner_remats else None
+    headroom = None if lat_limit is None else lat_limit - st.latency
 
     def add(rule, kind, specs, inner=False):
         if specs:
@@ -85,13 +113,16 @@ def proposals(space: Space, st: State, algebra: AlgebraGains | None = None) -> l
     def rewrites(swaps, remats, tag=""):
         # Big steps first: when the search is cut short (time, max_states) the
         # children it did evaluate are the ones that move the peak the most.
-        for k in sorted(BATCHES, reverse=True):
-            for kind, cand in (("swap", swaps), ("remat", remats)):
-                if len(cand) >= k:
+        fams = (("swap", swaps), ("remat", remats))
+        sizes = {kind: batch_sizes(cand, r, headroom) for kind, cand in fams}
+        for k in sorted(set(sizes["swap"]) | set(sizes["remat"]), reverse=True):
+            for kind, cand in fams:
+                if k in sizes[kind]:
                     add(f"{kind}{tag}x{k}", kind, cand[:k], bool(tag))
-        for kind, cand in (("swap", swaps), ("remat", remats)):
+        for kind, cand in fams:
             for s in cand[:SINGLE]:
-                add(kind + tag, kind, [s], bool(tag))
+                if headroom is None or batch_price(r, [s]) <= headroom:
+                    add(kind + tag, kind, [s], bool(tag))
 
     rewrites(r.swaps, r.remats)
     packs, fission = _fission(space, st)
