@@ -16,9 +16,9 @@ from .transfers import is_load, is_store
 # show: each copy runs in its own tensor's window (a Store after its producer and
 # before the peak, a Load after the peak and before its reader), and in a
 # training step those windows are the forward's end and the backward's start.
-# Paper BTLM split in 16 (x1.085, 5.04 s): its swaps in the parts, 0.0253 s of
-# copies each, all hidden one at a time; 94 of them hid together, 128 added
-# 0.40 s and 202 (the whole idle stream) 1.40 s. At a half, 102 fit.
+# Paper BTLM split in 16 (x1.085): every one of its swaps in the parts hides
+# alone; with the whole idle stream as the bound the batch that fit was 202
+# (x1.387), and 128 went to x1.170. At a half it is 60, all hidden (x1.085).
 COPY_SHARE = 0.5
 
 

@@ -76,7 +76,10 @@ def batch_sizes(cands: list, r: Ranked, headroom: float | None) -> list[int]:
     a split step is often a few hundredths of a second under the budget, where
     the power of two above what fits costs a state of ~40 s to learn it is over
     (paper BTLM split in 16: 128 swaps in the parts went x1.085 -> x1.170, and
-    the remats x1.132; 40-50 s each). Prices are lower bounds (`batch_price`)."""
+    the remats x1.132; 40-50 s each). The prices are meant as lower bounds
+    (`batch_price`), but they are read off the state's order, which the child's
+    schedule may change: `_Search.lat_limit` asks for this only where children
+    are expensive."""
     if headroom is None:
         return [k for k in sorted(BATCHES, reverse=True) if len(cands) >= k]
     fit, own, copies = 0, 0.0, 0.0
@@ -88,9 +91,7 @@ def batch_sizes(cands: list, r: Ranked, headroom: float | None) -> list[int]:
         fit += 1
     sizes = {k for k in BATCHES if k <= fit}
     if 2 <= fit < max(BATCHES):
-        # not above the biggest batch: a first child of every candidate at once
-        # sent paper ResNet-50's search elsewhere (0.3349 -> 0.4279 at lat 1.10)
-        sizes.add(fit)
+        sizes.add(fit)       # the biggest batch stays BATCHES' biggest
     return sorted(sizes, reverse=True)
 
 
