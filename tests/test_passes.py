@@ -125,3 +125,16 @@ def test_a_clone_that_copies_nothing_is_read_through_and_the_peak_is_eagers():
 
     kept = trace(ZeroDropAttention(keep_layout_copy=True), (x,))
     assert "aten.clone.default" in [n.target for n in kept.graph.ops]
+
+
+def test_node_refs_follow_reassigned_args():
+    # Node.refs() is kept; a pass that rewrites a node assigns new args or kwargs
+    from magis_nb.ir.graph import iter_refs, map_refs
+    prog = trace(Drop(), (torch.randn(8, 64),))
+    n = next(n for n in prog.graph.ops if len(set(n.refs())) >= 2)
+    old = list(n.refs())
+    assert old == iter_refs((n.args, n.kwargs)) and n.refs() is n.refs()
+    n.args = map_refs(n.args, lambda r, k: old[-1] if k == 0 else r)
+    assert n.refs() == iter_refs((n.args, n.kwargs)) and n.refs()[0] == old[-1] != old[0]
+    n.kwargs = dict(n.kwargs, extra=old[0])
+    assert n.refs()[-1] == old[0]

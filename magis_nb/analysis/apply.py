@@ -132,7 +132,7 @@ def _fused_matmuls(g: Graph, f: FTrans, plan) -> set[Ref]:
     (``addmm_``). Weight gradients of a batch-split region are these; with a
     separate ``add_`` they cost a full read-modify-write of every weight per
     part (GPT-Neo at n=16: 5,088 adds, 7% of the simulated step)."""
-    read = {r for v in f.ops for r in iter_refs((g.nodes[v].args, g.nodes[v].kwargs))}
+    read = {r for v in f.ops for r in g.nodes[v].refs()}
     out = set()
     for r, (how, _) in plan.items():
         n = g.nodes[r.node]
@@ -434,7 +434,7 @@ class _Expansion:
             return args, kwargs
         (at, cp), = where
         q = list(iter_refs((args, kwargs)))[cp.q]
-        like = self.g.tensor(list(iter_refs((node.args, node.kwargs)))[cp.q])
+        like = self.g.tensor(list(node.refs())[cp.q])
         mid = self.b.op(CAUSAL_MASK_TARGET, CAUSAL_MASK, [q, k * cp.rows, cp.keys], {},
                         [tensor_info((cp.rows, cp.keys), like)], self.key(1, k),
                         f"{node.name}_mask{k}", node.category,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from math import gcd
 
-from ..ir.graph import Graph, iter_refs
+from ..ir.graph import Graph
 from .dims import Axis, OpDims, op_dims
 
 
@@ -64,7 +64,7 @@ class DGraph:
         for v, d in self.dims.items():
             if d is None:
                 continue
-            refs = list(iter_refs((graph.nodes[v].args, graph.nodes[v].kwargs)))
+            refs = list(graph.nodes[v].refs())
             for a, ax in enumerate(d.axes):
                 for (k, dim) in ax.inputs:
                     r = refs[k]
@@ -171,7 +171,7 @@ class DGraph:
         g = self.graph
         ax = self.dims[v].axes[a]
         sliced = dict(ax.inputs)
-        for k, r in enumerate(iter_refs((g.nodes[v].args, g.nodes[v].kwargs))):
+        for k, r in enumerate(g.nodes[v].refs()):
             if r.node in ops and r.node in chosen:
                 pax = self.dims[r.node].axes[chosen[r.node]]
                 dims = [d for o, d in pax.outputs if o == r.out]
@@ -185,7 +185,7 @@ class DGraph:
                 continue
             wax = self.dims[w].axes[chosen[w]]
             wsl = dict(wax.inputs)
-            for k, r in enumerate(iter_refs((g.nodes[w].args, g.nodes[w].kwargs))):
+            for k, r in enumerate(g.nodes[w].refs()):
                 if r.node == v and wsl.get(k) != outs.get(r.out):
                     return False
         return True
@@ -200,7 +200,7 @@ def _rule(graph: Graph, n) -> OpDims | None:
     if n.deps:  # ordered after other ops (a split region's join): never split again
         return None  # (RNG ops get no rule from op_dims itself)
     try:
-        ins = [graph.tensor(r).shape for r in iter_refs((n.args, n.kwargs))]
+        ins = [graph.tensor(r).shape for r in n.refs()]
         outs = [t.shape if t is not None else None for t in n.outputs]
         return op_dims(n, ins, outs)
     except Exception:  # noqa: BLE001
@@ -220,7 +220,7 @@ def _carry_blocks(graph: Graph, dims: dict[int, OpDims | None]) -> None:
         node = graph.nodes[v]
         if od is None or not od.axes or "scaled_dot_product" in node.target:
             continue
-        refs = list(iter_refs((node.args, node.kwargs)))
+        refs = list(node.refs())
         shapes = {("in", k): graph.tensor(r).shape for k, r in enumerate(refs)}
         shapes.update({("out", o): t.shape for o, t in enumerate(node.outputs) if t is not None})
         have = {x for a in od.axes for x in a.inputs}

@@ -68,7 +68,7 @@ class OpDims:
 class Bound:
     """A node's arguments by schema name, with the tensor-input index of each Ref.
 
-    Tensor-input index k = position in ``iter_refs((node.args, node.kwargs))``.
+    Tensor-input index k = position in ``node.refs()``.
     """
 
     def __init__(self, node: Node):

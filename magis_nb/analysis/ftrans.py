@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import gcd
 
-from ..ir.graph import Graph, Ref, iter_refs
+from ..ir.graph import Graph, Ref
 from .dgraph import DGraph
 
 
@@ -63,7 +63,7 @@ def region_outputs(g: Graph, ops: frozenset[int]) -> list[Ref]:
     readers = {w for v in ops for w in g.succs(v) if w not in ops}  # every reader is a successor
     for w in readers:
         n = g.nodes[w]
-        for r in iter_refs((n.args, n.kwargs)):
+        for r in n.refs():
             if r.node in ops:
                 used.add(r)
     return sorted(used)
@@ -146,7 +146,7 @@ def check(dg: DGraph, ops, comp: int, n: int = 2, recompute=frozenset()) -> str 
     for v in ops:
         ax = dg.axis(v, comp, ops)
         sliced = {k: d for k, d in ax.inputs}
-        for k, r in enumerate(iter_refs((g.nodes[v].args, g.nodes[v].kwargs))):
+        for k, r in enumerate(g.nodes[v].refs()):
             if r.node not in ops:
                 continue
             pax = dg.axis(r.node, comp, ops)

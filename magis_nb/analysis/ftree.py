@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import rustworkx as rx
 
-from ..ir.graph import Graph, Ref, iter_refs
+from ..ir.graph import Graph, Ref
 from .dgraph import DGraph
 from .ftrans import FTrans, check, divisors, max_parts, reentered, weak_pieces
 from .masks import packable_masks
@@ -134,7 +134,7 @@ def _agreeing(dg: DGraph, comp: int, ops: set[int]) -> set[int]:
     for v in sorted(ops, key=pos.__getitem__):
         if v not in ops:
             continue
-        refs = list(iter_refs((g.nodes[v].args, g.nodes[v].kwargs)))
+        refs = list(g.nodes[v].refs())
         best = None
         for a in ([c.axis_of[v]] if v in c.axis_of else c.choices[v]):
             sliced = dict(dg.dims[v].axes[a].inputs)
@@ -167,7 +167,7 @@ def _conflicted(dg: DGraph, comp: int, nodes) -> bool:
     inside = set(nodes)
     for v in nodes:
         sliced = dict(dg.axis(v, comp).inputs)
-        for k, r in enumerate(iter_refs((g.nodes[v].args, g.nodes[v].kwargs))):
+        for k, r in enumerate(g.nodes[v].refs()):
             if r.node in inside and r.node in c.axis_of:
                 dims = [d for o, d in dg.axis(r.node, comp).outputs if o == r.out]
                 if dims and sliced.get(k) != dims[0]:
@@ -197,7 +197,7 @@ def _segments(dg: DGraph, comp: int, nodes) -> list[set[int]]:
         if v not in inside:
             depth[v] = lo
             continue
-        refs = list(iter_refs((g.nodes[v].args, g.nodes[v].kwargs)))
+        refs = list(g.nodes[v].refs())
         axes = [c.axis_of[v]] if v in c.axis_of else c.choices[v]
         def agrees(s, a):
             # each producer in segment s splits the tensor v reads, along the
@@ -271,7 +271,7 @@ def build_ftree(dg: DGraph, hotspots: dict[Ref, int], *, levels: int = 4, n: int
             h = sum(hot_by_op.get(w, 0) for w in region)
             ins = set()
             for w in region:
-                for r in iter_refs((g.nodes[w].args, g.nodes[w].kwargs)):
+                for r in g.nodes[w].refs():
                     base = g.storage_of(r)
                     if r.node not in region and base not in hotspots \
                             and g.nodes[base.node].kind == "op":
@@ -351,7 +351,7 @@ def late_readers(g: Graph, fwd: set[int]) -> dict[Ref, set[int]]:
     late: dict[Ref, set[int]] = {}
     for n in g.ops:
         if n.id not in fwd:
-            for r in iter_refs((n.args, n.kwargs)):
+            for r in n.refs():
                 if r.node in fwd:
                     late.setdefault(r, set()).add(n.id)
     return late
@@ -372,7 +372,7 @@ def recompute_set(dg: DGraph, region: frozenset[int], cid: int, fwd: set[int],
     got: set[int] = set()
     todo = []                       # (a tensor read in slices, the dim it is cut along)
     for v in region:
-        refs = list(iter_refs((g.nodes[v].args, g.nodes[v].kwargs)))
+        refs = list(g.nodes[v].refs())
         todo += [(refs[k], d) for k, d in dg.dims[v].axes[axes[v]].inputs]
     while todo:
         r, d = todo.pop()
@@ -382,7 +382,7 @@ def recompute_set(dg: DGraph, region: frozenset[int], cid: int, fwd: set[int],
                 or (r.out, d) not in dg.axis(p, cid).outputs:
             continue
         got.add(p)
-        refs = list(iter_refs((g.nodes[p].args, g.nodes[p].kwargs)))
+        refs = list(g.nodes[p].refs())
         todo += [(refs[k], dk) for k, dk in dg.axis(p, cid).inputs]
     return frozenset(got)
 

@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from ..ir.graph import Graph, Ref, Region, TensorInfo, contiguous, iter_refs
+from ..ir.graph import Graph, Ref, Region, TensorInfo, contiguous
 from .dgraph import DGraph
 from .ftrans import FTrans
 from .proto import External, ProtoBuilder
@@ -42,7 +42,7 @@ def packable_masks(g: Graph, f: FTrans, dg: DGraph) -> dict[Ref, int]:
     outs = {g.storage_of(r) for r in g.outputs}
     for v in sorted(f.ops):
         node = g.nodes[v]
-        refs = list(iter_refs((node.args, node.kwargs)))
+        refs = list(node.refs())
         for idx, d in dg.axis(v, f.comp, f.ops).inputs:
             r = refs[idx]
             t = g.tensor(r)

@@ -16,7 +16,7 @@ import math
 import torch
 
 from ..ir.build import unique_ident
-from ..ir.graph import Graph, Node, Ref, Region, TensorInfo, contiguous, iter_refs, map_refs
+from ..ir.graph import Graph, Node, Ref, Region, TensorInfo, contiguous, map_refs
 
 aten = torch.ops.aten
 
@@ -27,7 +27,7 @@ class External(Ref):
 
 def has_external(node: Node) -> bool:
     """``node`` reads or aliases an `External` ref."""
-    return any(isinstance(r, External) for r in iter_refs((node.args, node.kwargs))) \
+    return any(isinstance(r, External) for r in node.refs()) \
         or any(t is not None and isinstance(t.alias, External) for t in node.outputs)
 
 
@@ -73,7 +73,7 @@ class ProtoBuilder:
         n = len(self.nodes)
         preds = [set() for _ in range(n)]
         for v in self.nodes:
-            for r in iter_refs((v.args, v.kwargs)):
+            for r in v.refs():
                 preds[v.id].add(r.node)
             preds[v.id].update(v.deps)
         # RNG ops keep their order (the graph's RNG edges follow node ids): a
@@ -181,7 +181,7 @@ def order_after(b: ProtoBuilder, first: int, prev_last: int) -> None:
     for v in range(first, len(b.nodes)):
         node = b.nodes[v]
         inner = any(not isinstance(r, External) and r.node >= first
-                    for r in iter_refs((node.args, node.kwargs)))
+                    for r in node.refs())
         if not inner:
             node.deps = tuple(node.deps) + (prev_last,)
 

@@ -71,7 +71,7 @@ class Tiling:
 
 
 def _shapes(g: Graph, node: Node):
-    ins = [g.tensor(r).shape for r in iter_refs((node.args, node.kwargs))]
+    ins = [g.tensor(r).shape for r in node.refs()]
     outs = [None if t is None else t.shape for t in node.outputs]
     return ins, outs
 
@@ -113,7 +113,7 @@ def tiling(g: Graph, ops, dims) -> Tiling | str:
         wins[v] = w
     for v in ops:
         node = g.nodes[v]
-        for j, r in enumerate(iter_refs((node.args, node.kwargs))):
+        for j, r in enumerate(node.refs()):
             if r.node in ops and (r.out != 0 or any(j not in wins[v][d].inputs for d in dims)):
                 return f"{node.name} reads a tensor of the region whole"
             if r.node not in ops and any(j in wins[v][d].inputs for d in dims) \
@@ -165,7 +165,7 @@ def tile_ranges(g: Graph, t: Tiling, n: int, tile: tuple[int, ...]) -> dict[int,
             continue
         out[v] = rng
         node = g.nodes[v]
-        for j, r in enumerate(iter_refs((node.args, node.kwargs))):
+        for j, r in enumerate(node.refs()):
             if r.node not in t.ops:
                 continue
             rows = _inside(t.wins[v], rng, g.tensor(r).shape)
@@ -263,7 +263,7 @@ class _Tiles:
             if v not in rng:
                 continue
             node = g.nodes[v]
-            refs = iter_refs((node.args, node.kwargs))
+            refs = node.refs()
             new_refs = []
             lo_fed = {}
             for j, r in enumerate(refs):
@@ -442,7 +442,7 @@ def spatial_candidates(g: Graph, hotspots: dict[Ref, int], start: int,
     linked = set()
     for v, (rank, w) in able.items():
         node = g.nodes[v]
-        for j, r in enumerate(iter_refs((node.args, node.kwargs))):
+        for j, r in enumerate(node.refs()):
             if r.node in able and r.out == 0 and able[r.node][0] == rank \
                     and all(j in wd.inputs for wd in w.values()):
                 linked |= {v, r.node}

@@ -10,7 +10,7 @@ import torch.fx as fx
 
 from ..capture.export import CaptureError, Captured
 from ..capture.specialize import EXPECT, SCALAR_OPS
-from .graph import Graph, Node, Ref, TensorInfo, iter_refs
+from .graph import Graph, Node, Ref, TensorInfo
 
 # _unsafe_view returns a tensor sharing its input's storage but has no alias
 # annotation in its schema (it is "unsafe" precisely because autograd does not
@@ -197,7 +197,7 @@ def _categorize(nodes: list[Node], outputs: list[Ref], roles: list[tuple]) -> No
     if loss:
         succ: dict[int, list[int]] = {}
         for n in nodes:
-            for r in iter_refs((n.args, n.kwargs)):
+            for r in n.refs():
                 succ.setdefault(r.node, []).append(n.id)
         stack = list(succ.get(loss[0].node, []))
         while stack:

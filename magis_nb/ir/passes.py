@@ -75,7 +75,7 @@ import math
 import torch
 
 from .build import unique_ident
-from .graph import Graph, LossSeed, Node, Ref, TensorInfo, iter_refs, remap_refs
+from .graph import Graph, LossSeed, Node, Ref, TensorInfo, remap_refs
 
 aten = torch.ops.aten
 
@@ -278,7 +278,7 @@ def prune_dead_views(g: Graph) -> Graph:
                 and not writes_into_input(n)):
             dead.add(n.id)
             continue
-        read.update(r.node for r in iter_refs((n.args, n.kwargs)))
+        read.update(r.node for r in n.refs())
         read.update(n.deps)
     if not dead:
         return g
@@ -298,7 +298,7 @@ def drop_identity_clones(g: Graph) -> Graph:
     if not clones:
         return g
     written = {g.storage_of(r) for m in g.ops if writes_into_input(m)
-               for r in iter_refs((m.args, m.kwargs))}
+               for r in m.refs()}
     returned = {g.storage_of(r) for r in g.outputs}
     drop: set[int] = set()
     for n in clones:

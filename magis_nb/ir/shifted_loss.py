@@ -33,7 +33,7 @@ import math
 import torch
 
 from .build import alias_arg
-from .graph import Graph, Node, Ref, TensorInfo, contiguous, iter_refs, map_refs
+from .graph import Graph, Node, Ref, TensorInfo, contiguous, map_refs
 from .passes import Rewriter
 
 aten = torch.ops.aten
@@ -104,7 +104,7 @@ def _match(g: Graph, nll: Node) -> _Match | None:
     # the slice and its clone feed only this view
     rd = {v: set() for v in [s.id] + clones}
     for n in g.ops:
-        for a in iter_refs((n.args, n.kwargs)):
+        for a in n.refs():
             if a.node in rd:
                 rd[a.node].add(n.id)
     chain = [s.id] + clones + [u.id]
@@ -181,7 +181,7 @@ def _rewrite(g: Graph, matches: list[_Match]) -> Graph:
                          keep_name=True)
             rw.remap[Ref(n.id, 0)] = Ref(nid, 0)
             return True
-        if not any(_grew(rw, g, r) for r in iter_refs((n.args, n.kwargs))):
+        if not any(_grew(rw, g, r) for r in n.refs()):
             return False
         if n.target == "aten.slice_backward.default":
             src = rw.fix(n.args[0])

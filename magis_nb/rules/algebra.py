@@ -47,7 +47,7 @@ import rustworkx as rx
 import torch
 
 from ..ir.digest import node_labels
-from ..ir.graph import Graph, Node, Ref, TensorInfo, iter_refs, map_refs
+from ..ir.graph import Graph, Node, Ref, TensorInfo, map_refs
 from ..ir.passes import Rewriter
 from .remat import written_in_place
 
@@ -64,7 +64,7 @@ def is_view(n: Node) -> bool:
 def operand_key(g: Graph, r: Ref):
     """Equal keys: the same value with the same layout (equal view chains on one base)."""
     n = g.nodes[r.node]
-    refs = list(iter_refs((n.args, n.kwargs)))
+    refs = list(n.refs())
     if not is_view(n) or len(refs) != 1:
         return r
     consts = map_refs((n.args, n.kwargs), lambda x, _k: "#")
@@ -74,7 +74,7 @@ def operand_key(g: Graph, r: Ref):
 def direct_readers(g: Graph) -> dict[Ref, list[int]]:
     out: dict[Ref, list[int]] = {}
     for n in g.ops:
-        for r in set(iter_refs((n.args, n.kwargs))):
+        for r in set(n.refs()):
             out.setdefault(r, []).append(n.id)
     return out
 
@@ -103,7 +103,7 @@ def _views_ok(g: Graph, rd, r: Ref, t: torch.Tensor) -> bool:
         n = g.nodes[v]
         if not is_view(n):
             continue
-        if n.target.startswith("aten.as_strided") or len(list(iter_refs((n.args, n.kwargs)))) != 1:
+        if n.target.startswith("aten.as_strided") or len(list(n.refs())) != 1:
             return False
         try:
             out = n.op(*map_refs(n.args, lambda x, _k: t), **map_refs(n.kwargs, lambda x, _k: t))

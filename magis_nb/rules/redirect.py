@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..ir.graph import Graph, Node, Ref, iter_refs
+from ..ir.graph import Graph, Node, Ref
 from ..ir.passes import Rewriter
 
 
@@ -58,7 +58,7 @@ class Redirect:
 
     def copy(self, rw: Rewriter, n: Node, copy_of: dict[Ref, Ref]) -> None:
         """``copy_of`` maps each base (and any other replaced tensor) to its copy."""
-        mine = {r for r in iter_refs((n.args, n.kwargs))
+        mine = {r for r in n.refs()
                 if self.g.storage_of(r) in copy_of or r in copy_of}
         saved = {r: rw.remap.get(r) for r in mine}
         for r in mine:

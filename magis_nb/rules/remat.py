@@ -90,7 +90,7 @@ def can_rematerialize(g: Graph, a: int) -> str | None:
     if isinstance(n.region, Region):
         # Parts add into full-size sums in place (`add_`, `addmm_`): a copy run
         # later than the original would read a sum that has moved on.
-        for r in iter_refs((n.args, n.kwargs)):
+        for r in n.refs():
             if g.storage_of(r) in written:
                 return f"{n.name} reads {g.nodes[r.node].name}, written in place"
     return None
@@ -107,7 +107,7 @@ def chain_to_live(g: Graph, a: int, live, limit: int = 6) -> list[int] | None:
     while todo:
         v = todo.pop()
         n = g.nodes[v]
-        for r in iter_refs((n.args, n.kwargs)):
+        for r in n.refs():
             base = g.storage_of(r)
             if g.nodes[base.node].kind == "input" or base in live or r.node in chain:
                 continue

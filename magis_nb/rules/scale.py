@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 
-from ..ir.graph import Graph, Node, Ref, TensorInfo, iter_refs
+from ..ir.graph import Graph, Node, Ref, TensorInfo
 from ..ir.passes import Rewriter
 from .algebra import direct_readers, is_view
 from .remat import written_in_place
@@ -46,7 +46,7 @@ def _chain(g: Graph, r: Ref) -> list[int]:
     """Views from a base up to ``r`` (base first, as node ids; the base included)."""
     out = [r.node]
     while is_view(g.nodes[r.node]):
-        refs = list(iter_refs((g.nodes[r.node].args, g.nodes[r.node].kwargs)))
+        refs = list(g.nodes[r.node].refs())
         if len(refs) != 1:
             break
         r = refs[0]

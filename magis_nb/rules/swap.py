@@ -26,7 +26,7 @@ from typing import Iterable
 
 import torch
 
-from ..ir.graph import Graph, Node, Ref, TensorInfo, iter_refs
+from ..ir.graph import Graph, Node, Ref, TensorInfo
 from ..ir.passes import Rewriter, prune_dead_views
 from .redirect import Redirect
 from .remat import written_in_place
@@ -152,7 +152,7 @@ def unswap(g: Graph, load: int) -> Graph:
     store = g.nodes[ld.args[0].node]
     pool, orig = store.args
     if any(r.node == store.id for n in g.ops if n.id != load
-           for r in iter_refs((n.args, n.kwargs))):
+           for r in n.refs()):
         raise ValueError("the stored copy has other readers")
 
     def rule(rw: Rewriter, n: Node) -> bool:

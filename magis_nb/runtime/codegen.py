@@ -15,7 +15,7 @@ import torch
 
 from ..analysis.causal import CAUSAL_MASK_TARGET
 from ..distributed.buckets import BUCKET_TARGET
-from ..ir.graph import Graph, LossSeed, Ref, Region, iter_refs
+from ..ir.graph import Graph, LossSeed, Ref, Region
 from ..kernels import SUBSTITUTES, namespace
 from ..rules.swap import swap_ops
 from .copies import SYNC
@@ -81,7 +81,7 @@ def _lastuse(g: Graph, order: Sequence[int]) -> tuple[dict[int, list[Ref]], set[
     returned = set(g.outputs)
     last: dict[Ref, int] = {}
     for nid in order:
-        for r in iter_refs((g.nodes[nid].args, g.nodes[nid].kwargs)):
+        for r in g.nodes[nid].refs():
             last[r] = max(last.get(r, -1), pos[nid])
     dels: dict[int, list[Ref]] = {}
     for r, p in last.items():
@@ -117,7 +117,7 @@ class _Swaps:
         pos = {v: i for i, v in enumerate(order)}
         readers: dict[int, int] = {}                    # Load -> position of its first reader
         for v in order:
-            for r in iter_refs((g.nodes[v].args, g.nodes[v].kwargs)):
+            for r in g.nodes[v].refs():
                 if r.node in self.load_k and r.node not in readers:
                     readers[r.node] = pos[v]
         self.ready_at: dict[int, list[int]] = {}

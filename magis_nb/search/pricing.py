@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..ir.graph import Ref, iter_refs
+from ..ir.graph import Ref
 from ..rules.remat import can_rematerialize, chain_to_live, written_in_place
 from ..rules.swap import rd_region
 from .space import Remat, Space, State, Swap
@@ -144,7 +144,7 @@ def compatible(g, remats: list[Remat]) -> list[Remat]:
         ops = [ids[c] for c in s.chain] + [ids[s.op]]
         inside = set(ops)
         needs = {g.storage_of(r).node for v in ops
-                 for r in iter_refs((g.nodes[v].args, g.nodes[v].kwargs))} - inside
+                 for r in g.nodes[v].refs()} - inside
         if ids[s.op] in reads or needs & targets:
             continue
         out.append(s)

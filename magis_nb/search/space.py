@@ -22,7 +22,7 @@ from ..analysis.spatial import spatial_candidates
 from ..analysis.ftree import add_pack_twins
 from ..distributed import DataParallel, add_buckets
 from ..ir.digest import graph_digest
-from ..ir.graph import Graph, Ref, Region, iter_refs
+from ..ir.graph import Graph, Ref, Region
 from ..program import Program
 from ..rules.algebra import merge_all, why_not_merge
 from ..rules.remat import can_rematerialize, recompute_graph, rematerialize_all, written_in_place
@@ -110,7 +110,7 @@ class _CostTable:
 
     def key(self, g: Graph, nid: int) -> tuple:
         n = g.nodes[nid]
-        ins = tuple(g.tensor(r).shape for r in iter_refs((n.args, n.kwargs)))
+        ins = tuple(g.tensor(r).shape for r in n.refs())
         outs = tuple(t.shape if t is not None else None for t in n.outputs)
         return (n.name, n.target, ins, outs)
 

@@ -125,7 +125,7 @@ def op_bytes(graph: Graph, node: Node | int) -> int:
     n = node_of(graph, node)
     if is_free(n):
         return 0
-    ins = sorted(set(iter_refs((n.args, n.kwargs))))
+    ins = sorted(set(n.refs()))
     total = 0
     out_bytes = sum(_touched_bytes(graph, Ref(n.id, i)) for i, t in enumerate(n.outputs)
                     if t is not None)
