@@ -178,7 +178,7 @@ def test_mutate_lift_disable_enable_parent():
 
 def test_pack_swaps_a_region_for_its_twin_and_back():
     """A packed twin (Note [packed masks]) is reached only by "pack" from its
-    region, at the same n, and left the same way; it is never enabled directly."""
+    region, at the same n, and left by "unpack"; it is never enabled directly."""
     c = _tree()
     twin = Candidate(4, c[1].ops, 0, 0, 1, 0.0, 0, 12, None, [], pack=True, twin=1)
     c[1].twin = 4
@@ -188,7 +188,7 @@ def test_pack_swaps_a_region_for_its_twin_and_back():
     got = {(k, tuple(sorted(p.items()))) for k, p in mutations(c, {1: 3})}
     assert ("pack", ((4, 3),)) in got
     got = {(k, tuple(sorted(p.items()))) for k, p in mutations(c, {4: 3})}
-    assert got == {("pack", ((1, 3),)), ("mutate", ((4, 4),)), ("disable", ()),
+    assert got == {("unpack", ((1, 3),)), ("mutate", ((4, 4),)), ("disable", ()),
                    ("enable", ((2, 2), (4, 3)))}
 
 

@@ -97,3 +97,42 @@ def test_rewrites_inside_the_parts_are_proposed_after_the_rest(split_gpt):
     inner = [i for i, r in enumerate(rules) if "-in-parts" in r]
     assert inner and inner == list(range(len(rules) - len(inner), len(rules)))
     assert "swap-in-partsx8" in rules and "remat-in-parts" in rules
+
+
+def test_unpack_comes_last_and_pack_first(split_gpt):
+    """Packing a split region's masks is its biggest step and is proposed first;
+    unpacking trades the memory back for time and is proposed after everything
+    else, the rewrites inside the parts included."""
+    _, _, space, plan, st = split_gpt
+    (c, n), = plan
+    twin = space.cands[c].twin
+    assert twin is not None
+    rules = [p[0] for p in proposals(space, st)]
+    assert rules[0] == "pack" and "unpack" not in rules
+    packed_plan = ((twin, n),)
+    g, _ = space.build(packed_plan, ())
+    packed = space.evaluate(packed_plan, (), g)
+    props = proposals(space, packed)
+    assert props[-1][0] == "unpack" and props[-1][1] == plan
+    assert [p[0] for p in props].count("unpack") == 1 and "pack" not in [p[0] for p in props]
+
+
+def test_within_a_latency_budget_the_biggest_swap_batch_goes_first(split_gpt):
+    """Without a budget to keep within, batches go biggest first; within one, the
+    biggest swap batch that fits goes before every remat batch (its copies hide
+    behind compute), inside the parts as outside."""
+    import re
+    _, _, space, _, st = split_gpt
+
+    def batches(props, tag):
+        pat = re.compile(rf"(swap|remat){tag}x(\d+)")
+        return [(m.group(1), int(m.group(2))) for p in props if (m := pat.fullmatch(p[0]))]
+
+    for tag in ("", "-in-parts"):
+        free = batches(proposals(space, st), tag)
+        assert [k for _, k in free] == sorted((k for _, k in free), reverse=True)
+    budget = proposals(space, st, lat_limit=st.latency * 1.5)
+    inner = batches(budget, "-in-parts")
+    swaps = [k for kind, k in inner if kind == "swap"]
+    assert swaps and any(kind == "remat" and k > swaps[0] for kind, k in inner)
+    assert inner[0] == ("swap", max(swaps))

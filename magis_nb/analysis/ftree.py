@@ -425,8 +425,8 @@ def _overlaps(cands, plan, i) -> bool:
 def mutations(cands: list[Candidate], plan: dict[int, int]) -> list[tuple[str, dict[int, int]]]:
     """Every plan one F-Tree rule away. Enabled regions never overlap: enabling an
     ancestor of an enabled node is done by lifting (nested fission is not executed).
-    "pack" swaps an enabled region for its twin (same ops, dropout masks packed or
-    not) at the same n."""
+    "pack" swaps an enabled region for its packed twin (same ops, dropout masks
+    packed) at the same n, "unpack" the packed twin back for its region."""
     on = {i for i, n in plan.items() if n > 1}
     out = []
     for c in cands:
@@ -438,7 +438,8 @@ def mutations(cands: list[Candidate], plan: dict[int, int]) -> list[tuple[str, d
             if not any(j in on for j in _descendants(cands, i)):
                 out.append(("disable", {k: v for k, v in plan.items() if k != i}))
             if c.twin is not None:
-                out.append(("pack", {**{k: v for k, v in plan.items() if k != i}, c.twin: plan[i]}))
+                out.append(("unpack" if c.pack else "pack",
+                            {**{k: v for k, v in plan.items() if k != i}, c.twin: plan[i]}))
             p = c.parent
             if p is not None and not any(j in on for j in _ancestors(cands, i)):
                 lifted = {k: v for k, v in plan.items() if k not in _descendants(cands, p)}

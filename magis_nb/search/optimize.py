@@ -22,6 +22,7 @@ from .objective import Objective, pareto_add
 from .result import MeasuredMemory, OptimizeResult, Plan, Progress, Region, Timeline
 from .safety import PlanError, SafetyNet
 from .data_parallel import agree, choose_cap, data_parallel
+from .gcpause import paused_gc
 from .space import Space, State
 from .transfers import swap_ops
 
@@ -366,48 +367,50 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
     # a device with its own memory and copy engines beside it: a GPU, or a GPU
     # profile planned from this machine (`async_copies`); see Note [which memory]
     swap = async_copies if swap is None else bool(swap)
-    try:
-        program = trace(model, inputs, loss_fn=loss_fn, mode=mode)
-    except CaptureError:
-        raise
-    except Exception as e:  # noqa: BLE001 - see _bug
-        raise CaptureError(_bug("building the program from the captured graph", e)) from e
-    t_capture = time.perf_counter()
-    dp = None
-    if process_group is not None and process_group is not False:
-        if mode != "train":
-            raise ValueError("process_group plans a training step (mode='train')")
-        dp, pick_cap = data_parallel(process_group, inputs, comm_link, bucket_cap_mb)
-    try:
-        space = Space(program, cost, async_copies=async_copies, algebra=algebra,
-                      fission=fission, swap=swap, comm=dp)
-        # The program as PyTorch runs it: its order, nothing applied.
-        g = program.graph
-        base_order = program.to_node_order(program.program_order())
-        if dp is None:
-            peak, latency = program.simulate().peak, sum(space.costs.of(g, v) for v in base_order)
-        else:   # its buckets filled in PyTorch's order
-            if pick_cap:
-                choose_cap(space, g, base_order)
-            latency, tl_dp, *_ = space.with_buckets(g, base_order)
-            peak = tl_dp.peak
-        before = State((), (), g, [], base_order, peak, latency, [], 0)
-        root = space.evaluate((), (), g)
-    except Exception as e:  # noqa: BLE001
-        raise PlanError(_bug("analysing the program", e, hint=True)) from e
-    objective = _objective(mem_budget, lat_budget, before)
+    # planning makes graphs of millions of objects: Note in `gcpause`
+    with paused_gc():
+        try:
+            program = trace(model, inputs, loss_fn=loss_fn, mode=mode)
+        except CaptureError:
+            raise
+        except Exception as e:  # noqa: BLE001 - see _bug
+            raise CaptureError(_bug("building the program from the captured graph", e)) from e
+        t_capture = time.perf_counter()
+        dp = None
+        if process_group is not None and process_group is not False:
+            if mode != "train":
+                raise ValueError("process_group plans a training step (mode='train')")
+            dp, pick_cap = data_parallel(process_group, inputs, comm_link, bucket_cap_mb)
+        try:
+            space = Space(program, cost, async_copies=async_copies, algebra=algebra,
+                          fission=fission, swap=swap, comm=dp)
+            # The program as PyTorch runs it: its order, nothing applied.
+            g = program.graph
+            base_order = program.to_node_order(program.program_order())
+            if dp is None:
+                peak, latency = program.simulate().peak, sum(space.costs.of(g, v) for v in base_order)
+            else:   # its buckets filled in PyTorch's order
+                if pick_cap:
+                    choose_cap(space, g, base_order)
+                latency, tl_dp, *_ = space.with_buckets(g, base_order)
+                peak = tl_dp.peak
+            before = State((), (), g, [], base_order, peak, latency, [], 0)
+            root = space.evaluate((), (), g)
+        except Exception as e:  # noqa: BLE001
+            raise PlanError(_bug("analysing the program", e, hint=True)) from e
+        objective = _objective(mem_budget, lat_budget, before)
 
-    def report(best: State, states: int, elapsed: float, done: bool):
-        if progress is not None:
-            progress(Progress(elapsed, float(time_budget), states, best.peak, best.latency,
-                              before.peak, before.latency, done))
+        def report(best: State, states: int, elapsed: float, done: bool):
+            if progress is not None:
+                progress(Progress(elapsed, float(time_budget), states, best.peak, best.latency,
+                                  before.peak, before.latency, done))
 
-    t_analysis = time.perf_counter()
-    try:
-        log = search(space, root, objective, time_budget=time_budget, seed=seed,
-                     max_states=max_states, progress=report)
-    except Exception as e:  # noqa: BLE001
-        raise PlanError(_bug("the search", e, hint=True)) from e
+        t_analysis = time.perf_counter()
+        try:
+            log = search(space, root, objective, time_budget=time_budget, seed=seed,
+                         max_states=max_states, progress=report)
+        except Exception as e:  # noqa: BLE001
+            raise PlanError(_bug("the search", e, hint=True)) from e
     if hasattr(cost, "save"):
         cost.save()  # measured op times: the next optimize on this machine reuses them
     safety = None

@@ -5,10 +5,10 @@ Swap and remat act on the cheapest of the peak's tensors per byte saved (see
 training peak holds hundreds of saved activations: one tensor per step would
 need hundreds of steps), with their users being the readers after the peak.
 F-Tree rules: enable the best-scoring candidates, mutate n, lift, disable,
-pack. TASO subset: see `algebra_gains`. Inverse rules: drop one of the latest
+pack, unpack. TASO subset: see `algebra_gains`. Inverse rules: drop one of the latest
 batches (de-swap, de-remat). Last, the same swap and remat families on a split
 region's part ops, each made in every part (Note [rewrites inside the parts] in
-`space`).
+`space`), and after them unpack.
 """
 from __future__ import annotations
 
@@ -45,17 +45,23 @@ def _touched(g, kind: str, specs, ids: dict | None = None) -> set:
     return touched
 
 
-def _fission(space: Space, st: State) -> tuple[list[Proposal], list[Proposal]]:
-    """F-Tree rules on the plan, as (packs, the rest); rewrites are replayed on
-    the new fission graph. Packs go before every other child: one state, and in
-    a transformer split along the batch it is the biggest step there is
-    (GPT-Neo split in 16: 0.256 -> 0.175); the latest found first."""
+def _fission(space: Space, st: State) -> tuple[list[Proposal], list[Proposal], list[Proposal]]:
+    """F-Tree rules on the plan, as (packs, the rest, unpacks); rewrites are
+    replayed on the new fission graph. Packs go before every other child: one
+    state, and in a transformer split along the batch it is the biggest step
+    there is (GPT-Neo split in 16: 0.256 -> 0.175); the latest found first.
+    Unpacks go after every other child: they trade memory back for time, and
+    with the F-Tree rules they took 12-18 s of a 60 s paper-BTLM search (lat
+    1.10) to build the split in 16 unpacked (0.2599) before any rewrite in the
+    parts of the packed one (0.167)."""
     plan = dict(st.plan)
-    packs, out, enables = [], [], []
+    packs, out, enables, unpacks = [], [], [], []
     for rule, new in mutations(space.cands, plan):
         key = tuple(sorted(new.items()))
         if rule == "pack":
             packs.insert(0, (rule, key, st.batches, set()))
+        elif rule == "unpack":
+            unpacks.append((rule, key, st.batches, set()))
         elif rule == "enable":
             (cid,) = set(new) - set(plan) or {None}
             if cid is None:
@@ -65,7 +71,7 @@ def _fission(space: Space, st: State) -> tuple[list[Proposal], list[Proposal]]:
             out.append((rule, key, st.batches, set()))
     enables.sort(key=lambda t: (-t[0], t[1]))
     out += [("enable", key, st.batches, set()) for _, _, key in enables[:ENABLE]]
-    return packs, out
+    return packs, out, unpacks
 
 
 def batch_sizes(cands: list, r: Ranked, headroom: float | None) -> list[int]:
@@ -116,19 +122,27 @@ def proposals(space: Space, st: State, algebra: AlgebraGains | None = None,
     def rewrites(swaps, remats, tag=""):
         # Big steps first: when the search is cut short (time, max_states) the
         # children it did evaluate are the ones that move the peak the most.
-        fams = (("swap", swaps), ("remat", remats))
-        sizes = {kind: batch_sizes(cand, r, headroom) for kind, cand in fams}
-        for k in sorted(set(sizes["swap"]) | set(sizes["remat"]), reverse=True):
-            for kind, cand in fams:
-                if k in sizes[kind]:
-                    add(f"{kind}{tag}x{k}", kind, cand[:k], bool(tag))
-        for kind, cand in fams:
+        fams = {"swap": swaps, "remat": remats}
+        sizes = {kind: batch_sizes(cand, r, headroom) for kind, cand in fams.items()}
+        seq = [(kind, k) for k in sorted(set(sizes["swap"]) | set(sizes["remat"]), reverse=True)
+               for kind in fams if k in sizes[kind]]
+        if headroom is not None and sizes["swap"]:
+            # Within a latency budget the biggest swap batch that fits goes first:
+            # its copies hide behind compute where recomputation adds time and
+            # working memory (paper BTLM split in 16: 60 swaps in the parts came
+            # to 0.1481 at x1.085, the 103 remats before them to 0.1577 at x1.100,
+            # 34 s a state).
+            seq.remove(("swap", sizes["swap"][0]))
+            seq.insert(0, ("swap", sizes["swap"][0]))
+        for kind, k in seq:
+            add(f"{kind}{tag}x{k}", kind, fams[kind][:k], bool(tag))
+        for kind, cand in fams.items():
             for s in cand[:SINGLE]:
                 if headroom is None or batch_price(r, [s]) <= headroom:
                     add(kind + tag, kind, [s], bool(tag))
 
     rewrites(r.swaps, r.remats)
-    packs, fission = _fission(space, st)
+    packs, fission, unpacks = _fission(space, st)
     out = packs + out + fission
     for rule, specs in algebra.children(st):
         add(rule, rule.split("x")[0], specs)
@@ -142,7 +156,7 @@ def proposals(space: Space, st: State, algebra: AlgebraGains | None = None,
     # were mixed in). After a whole-step split nearly every activation is a
     # part's, the lists above are short and these come soon.
     rewrites(r.inner_swaps, r.inner_remats, "-in-parts")
-    return out
+    return out + unpacks
 
 
 def enable_top(space: Space, st: State) -> tuple | None:
