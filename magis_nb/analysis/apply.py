@@ -261,6 +261,8 @@ class _Expansion:
         self.fused = _fused_matmuls(self.g, f, plan)
         self.packed: dict[Ref, PackedMask] = {}
         self.mates: dict[Ref, Ref] = {}      # a sum -> the sum it shares its full result with
+        # op -> (input dims cut, part shapes, chunked args, kwargs): `split_op`
+        self.per_op: dict[int, tuple] = {}
 
     def key(self, phase: int, k: int) -> tuple:
         """The sort key of the next node: phase 0 before the parts, 1 in part k, 2 after."""
@@ -389,12 +391,14 @@ class _Expansion:
         """Op ``v`` on part k's tensors; its outputs go into ``part``."""
         node = self.g.nodes[v]
         every = self.f.split_ops
-        ax = self.dg.axis(v, self.f.comp, every)
-        cut = dict(ax.inputs)
-        shapes = _part_shapes(node, ax.outputs, self.n)
-        a_idx = self.dg.axis_index(v, self.f.comp, every)
-        args, kwargs = self.dg.dims[v].chunk_args(node, a_idx, shapes)
-
+        if v not in self.per_op:
+            # the same in every part: worked out once per op (part 0)
+            ax = self.dg.axis(v, self.f.comp, every)
+            shapes = _part_shapes(node, ax.outputs, self.n)
+            a_idx = self.dg.axis_index(v, self.f.comp, every)
+            self.per_op[v] = (dict(ax.inputs), shapes,
+                              *self.dg.dims[v].chunk_args(node, a_idx, shapes))
+        cut, shapes, args, kwargs = self.per_op[v]
         need = self.dg.dims[v].contiguous
 
         def sub(r: Ref, idx: int) -> Ref:
