@@ -6,9 +6,10 @@ full collection over the whole heap starts each time the old generation has
 grown by a quarter, so building one such state ran several of them: 19.5 s a
 state with it on, 13.2 s with it off (build and evaluate of plan ((238, 16),),
 this CPU). Capture and analysis run paused too; their garbage waits for the
-search's first collection (paper BTLM: 573 -> 630 MiB of process peak). Off, the objects a state leaves in reference cycles (one per node, about
-0.1M a state) are collected here instead, once a million objects have been
-allocated since the last collection: 0.7 s each on that heap.
+search's first collection (paper BTLM: 573 -> 630 MiB of process peak). Off,
+the objects a state leaves in reference cycles (one per node, about 0.1M a
+state) are collected here instead, once a million objects have been allocated
+since the last collection: 0.7 s each on that heap.
 """
 from __future__ import annotations
 
