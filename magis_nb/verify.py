@@ -77,9 +77,25 @@ def _pairs(ref: nn.Module, got: nn.Module, ra, ga):
         yield f"buffer {n}", b, c
 
 
-def _room_for_fp32_copy(params: list[torch.Tensor], peak: int) -> bool:
-    """On a GPU, whether an fp32 copy of the model (its weights and gradients
-    twice the bf16 size) and its step fit beside what is there; elsewhere True."""
+def _wider(params: list[torch.Tensor], buffers: list[torch.Tensor]) -> torch.dtype | None:
+    """The dtype eager's own error is measured against (`Reference.spread`): fp32
+    for a model holding bf16/fp16 parameters or buffers; fp64 for an fp32 model on
+    a GPU, whose kernels (cuDNN's BatchNorm in eager, the captured program's native
+    one; convolution weight gradients summed with atomics) differ from run to run
+    and from the program's; else None (on the CPU the program and eager call the
+    same kernels)."""
+    ts = params + buffers
+    if any(t.dtype in (torch.bfloat16, torch.float16) for t in ts):
+        return torch.float32
+    if any(t.device.type == "cuda" and t.dtype == torch.float32 for t in ts):
+        return torch.float64
+    return None
+
+
+def _room_for_wide_copy(params: list[torch.Tensor], peak: int) -> bool:
+    """On a GPU, whether a copy of the model twice as wide (fp32 of bf16, fp64 of
+    fp32: its weights and gradients, twice the size) and its step fit beside what
+    is there; elsewhere True."""
     cuda = [p for p in params if p.device.type == "cuda"]
     if not cuda:
         return True
@@ -116,28 +132,27 @@ class Reference:
 
     def spread(self) -> dict[str, float]:
         """Eager's own error, per tensor: the largest difference between this
-        step and the same step of an fp32 copy of the model (parameters and
-        buffers in fp32, the same inputs and RNG seed): what a plan of a
-        bf16/fp16 model may add to eager's error (Note [low-precision
-        parameters] in search/safety.py). Empty when the model holds no
-        bf16/fp16 parameter or buffer, when the fp32 step fails, or on a GPU
-        without room for it."""
+        step and the same step of a wider copy of the model (parameters, buffers
+        and floating inputs in the dtype `_wider` names, the same RNG seed): what
+        a plan may add to eager's error (Note [eager's own error] in
+        search/safety.py). Empty when no wider dtype applies (an fp32 model on
+        the CPU), when the wide step fails, or on a GPU without room for it."""
         if self._spread is None:
-            low = (torch.bfloat16, torch.float16)
             self._spread = {}
             params = list(self.ref.parameters())
-            if any(t.dtype in low for t in params + list(self.ref.buffers())) \
-                    and _room_for_fp32_copy(params, self.eager_peak):
+            wide_t = _wider(params, list(self.ref.buffers()))
+            if wide_t is not None and _room_for_wide_copy(params, self.eager_peak):
                 self.restore()
-                wide = copy.deepcopy(self.model).float()
+                wide = copy.deepcopy(self.model).to(wide_t)
                 for p in wide.parameters():
                     p.grad = None
-                inputs = tree_map(lambda t: t.float() if isinstance(t, torch.Tensor)
-                                  and t.dtype in low else t, self.inputs)
+                inputs = tree_map(lambda t: t.to(wide_t) if isinstance(t, torch.Tensor)
+                                  and t.is_floating_point()
+                                  and t.element_size() < wide_t.itemsize else t, self.inputs)
                 torch.manual_seed(self.seed)
                 try:
                     out = eager_step(wide, inputs, self.loss_fn, self.mode)
-                except Exception:  # noqa: BLE001 - no fp32 step, no spread: the plain tolerance
+                except Exception:  # noqa: BLE001 - no wide step, no spread: the plain tolerance
                     return self._spread
                 finally:
                     self.restore()
@@ -146,7 +161,7 @@ class Reference:
                 for name, a, b in _pairs(self.ref, wide, ra, wa):
                     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) \
                             and a.shape == b.shape and a.numel():
-                        self._spread[name] = (a.detach().float() - b.detach().float()).abs().max().item()
+                        self._spread[name] = (a.detach().double() - b.detach().double()).abs().max().item()
         return self._spread
 
     def restore(self) -> None:

@@ -96,3 +96,13 @@ def test_a_differing_plan_names_the_first_value_that_departs():
     assert fail is not None and fail.reason == "differs from eager"
     assert fail.where.startswith(f"first differs at {name}: {name} = aten.relu.default("), fail.where
     assert net.check(2, "as captured", prog.module()) is None
+
+
+def test_an_fp32_model_on_the_cpu_gets_no_slack():
+    """On the CPU eager and the program call the same kernels: an fp32 model keeps
+    the fixed tolerances (no fp64 copy is run; Note [eager's own error])."""
+    from magis_nb import zoo
+    from magis_nb.search.safety import SafetyNet
+    case = zoo.build("mlp", "tiny")
+    net = SafetyNet(case.model, case.inputs, case.loss_fn, "train")
+    assert net.slack == {} and net.ref.spread() == {}

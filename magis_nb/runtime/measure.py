@@ -96,3 +96,49 @@ def model_baseline(model: torch.nn.Module, inputs) -> list[torch.Tensor]:
     ts += [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
     ts += [p.grad for p in model.parameters() if p.grad is not None]
     return ts
+
+
+class CudaOpPeaks(TorchDispatchMode):
+    """Per ATen op on a CUDA device: the allocator's bytes before and after the op,
+    the peak while it ran, and the bytes of its new output storages. What an op
+    takes beyond its outputs (``scratch``: cuBLAS/cuDNN workspace, a reduction's
+    staging buffer) or keeps after returning that is not an output (``kept``) is
+    what the simulator cannot see: the rows that explain a measured peak above the
+    simulated one (`bench gpu`'s simcheck)."""
+
+    def __init__(self, device=None):
+        super().__init__()
+        self.device = device
+        self.rows: list[dict] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        before_ptrs = {t.untyped_storage().data_ptr()
+                       for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        before = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        out = func(*args, **kwargs)
+        after = torch.cuda.memory_allocated(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        outs = storage_bytes(t for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+                             and t.untyped_storage().data_ptr() not in before_ptrs)
+        self.rows.append({"op": str(func), "before": before, "after": after, "peak": peak,
+                          "outputs": outs, "scratch": peak - after,
+                          "kept": after - before - outs})
+        return out
+
+    def summary(self, top: int = 3) -> dict:
+        """The step's peak and where it was reached; the ops with the most scratch
+        and the most kept bytes."""
+        if not self.rows:
+            return {}
+        at = max(range(len(self.rows)), key=lambda i: self.rows[i]["peak"])
+
+        def brief(r):
+            return {k: r[k] for k in ("op", "outputs", "scratch", "kept")}
+
+        return {"peak": self.rows[at]["peak"], "peak_op": brief(self.rows[at]), "peak_index": at,
+                "ops": len(self.rows),
+                "scratch": [brief(r) for r in sorted(self.rows, key=lambda r: -r["scratch"])[:top]],
+                "kept": [brief(r) for r in sorted(self.rows, key=lambda r: -r["kept"])[:top]
+                         if r["kept"] > 0]}

@@ -164,7 +164,11 @@ class MeasuredCost:
     def _inputs(self, graph: Graph, n: Node):
         import torch
 
-        gen = torch.Generator().manual_seed(0)
+        # made where the op runs: on a GPU, random gigabytes drawn on the CPU and
+        # copied over took seconds per op and starved the search (first H200 run:
+        # 3 states in 28 s on the "gpu" GPT)
+        dev = self.device
+        gen = torch.Generator(device=dev).manual_seed(0)
         made: dict[Ref, object] = {}
 
         def make(r: Ref):
@@ -179,21 +183,15 @@ class MeasuredCost:
                 # an expanded view (stride 0) cannot be written element by element:
                 # make the small base and expand it, as the program does
                 base = tuple(1 if st == 0 else sz for sz, st in zip(shape, stride))
-                src = torch.randn(base, generator=gen) if t.dtype.is_floating_point \
-                    else torch.zeros(base)
-                x = src.to(t.dtype).expand(shape)
-                made[r] = x.to(self.device) if self.device.type != "cpu" else x
+                src = torch.randn(base, generator=gen, device=dev) if t.dtype.is_floating_point \
+                    else torch.zeros(base, device=dev)
+                made[r] = src.to(t.dtype).expand(shape)
                 return made[r]
-            x = torch.empty_strided(shape, stride, dtype=t.dtype, device="cpu")
+            x = torch.empty_strided(shape, stride, dtype=t.dtype, device=dev)
             if x.is_floating_point():
-                x.copy_(torch.randn(shape, generator=gen).to(t.dtype))
+                x.copy_(torch.randn(shape, generator=gen, device=dev).to(t.dtype))
             else:
                 x.zero_()
-            x = x.to(self.device) if self.device.type != "cpu" else x
-            if x.stride() != stride:    # .to() may drop the strides; keep the captured ones
-                y = torch.empty_strided(shape, stride, dtype=t.dtype, device=self.device)
-                y.copy_(x)
-                x = y
             made[r] = x
             return x
 
