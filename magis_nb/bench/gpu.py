@@ -2,8 +2,8 @@
 
 1. the GPU-marked tests (``pytest -m gpu``);
 2. simcheck on the device: every tiny zoo model in program order, simulated peak
-   next to the measured one (the caching allocator's max_memory_allocated), and
-   the step held against eager;
+   next to the measured one (the bytes asked of the caching allocator, and the
+   blocks it handed out), and the step held against eager;
 3. gpt (bf16), unet and vit (fp32, TF32 off so that allclose is meaningful) at
    the zoo's "gpu" size (a few GB of activations): eager against magis_nb at
    mem_budget 0.5 and 0.3 (one search at the tighter budget; 0.5 re-selected
@@ -30,7 +30,7 @@ import torch
 from .. import zoo
 from ..capture import eager_step
 from ..program import trace
-from ..runtime.measure import CudaOpPeaks, measure_cpu, model_baseline, storage_bytes
+from ..runtime.measure import CudaOpPeaks, Measurement, measure_cpu, measure_cuda, model_baseline
 from ..search.safety import SPREAD_SLACK
 from ..snapshot import ModelSnapshot
 from ..timing import clear_grads, time_steps
@@ -55,21 +55,12 @@ class Device:
         if self.cuda:
             torch.cuda.synchronize(self.dev)
 
-    def peak(self, fn, own) -> tuple[int, int, object]:
-        """(peak bytes of the step counting only ``own`` tensors as the baseline,
-        reserved bytes at the peak or 0, result). On CUDA the allocator's peak
-        counts every live block; blocks that are not the model's (a reference
-        copy, earlier results) are subtracted."""
-        if not self.cuda:
-            m = measure_cpu(fn, own)
-            return m.peak, 0, m.result
-        self.sync()
-        others = torch.cuda.memory_allocated(self.dev) - storage_bytes(own)
-        torch.cuda.reset_peak_memory_stats(self.dev)
-        out = fn()
-        self.sync()
-        return (torch.cuda.max_memory_allocated(self.dev) - others,
-                torch.cuda.max_memory_reserved(self.dev), out)
+    def peak(self, fn, own) -> Measurement:
+        """One step's peak, counting of what was there before only the ``own``
+        tensors (not a reference copy, not earlier results). On CUDA ``peak`` is in
+        the bytes asked of the caching allocator, ``allocated`` in the blocks it
+        handed out (`measure_cuda`)."""
+        return measure_cuda(fn, own, self.dev) if self.cuda else measure_cpu(fn, own)
 
     def time(self, fn, reps: int = 7) -> float:
         """Median seconds of ``reps`` steps after one warm-up (CUDA events on GPU)."""
@@ -126,12 +117,13 @@ def _simcheck_one(d: Device, name: str) -> dict:
     mod.step(*case.inputs)                  # warm-up: kernels, cuBLAS workspace
     start.restore()
     torch.manual_seed(0)
-    peak, _, got = d.peak(lambda: mod.step(*case.inputs), model_baseline(case.model, case.inputs))
+    m = d.peak(lambda: mod.step(*case.inputs), model_baseline(case.model, case.inputs))
+    peak, got = m.peak, m.result
     torch.manual_seed(0)
     want = eager_step(ref, case.inputs, case.loss_fn)
     cmp = compare_models(ref, case.model, want, got, **TOL[dt], slack=slack)
     sim = prog.simulate().peak
-    row = {"model": name, "sim_peak": sim, "measured_peak": peak,
+    row = {"model": name, "sim_peak": sim, "measured_peak": peak, "allocated_peak": m.allocated,
            "rel_error": abs(peak - sim) / sim, "allclose": cmp.allclose,
            "max_abs_err": cmp.max_abs_err, "eager_own_err": own_err,
            "mismatches": cmp.mismatches[:3]}
@@ -175,11 +167,12 @@ def compare(d: Device, name: str, size: str, time_budget: float) -> list[dict]:
     eager_step(ref, inputs, loss_fn)            # warm-up
     start.restore(into=ref)
     torch.manual_seed(0)
-    e_peak, e_res, want = d.peak(lambda: eager_step(ref, inputs, loss_fn),
-                                 model_baseline(ref, inputs))
+    m = d.peak(lambda: eager_step(ref, inputs, loss_fn), model_baseline(ref, inputs))
+    e_peak, want = m.peak, m.result
     e_time = _eager_time(d, ref, inputs, loss_fn)
     rows = [{"model": name, "size": size, "dtype": str(case.dtype).removeprefix("torch."),
-             "strategy": "eager", "budget": None, "peak": e_peak, "reserved": e_res,
+             "strategy": "eager", "budget": None, "peak": e_peak, "allocated": m.allocated,
+             "reserved": m.reserved,
              "time": e_time, "peak_ratio": 1.0, "time_ratio": 1.0, "allclose": True}]
     t0 = time.perf_counter()
     res = optimize(model, inputs, loss_fn=loss_fn, mem_budget=min(BUDGETS), time_budget=time_budget)
@@ -193,7 +186,8 @@ def compare(d: Device, name: str, size: str, time_budget: float) -> list[dict]:
         mod.step(*inputs)                       # warm-up (pinned buffers, kernels)
         start.restore()
         torch.manual_seed(0)
-        peak, reserved, got = d.peak(lambda: mod.step(*inputs), own)
+        m = d.peak(lambda: mod.step(*inputs), own)
+        peak, got = m.peak, m.result
         cmp = compare_models(ref, model, want, got, **TOL[case.dtype], slack=slack)
 
         def step():
@@ -202,7 +196,7 @@ def compare(d: Device, name: str, size: str, time_budget: float) -> list[dict]:
 
         t = d.time(step)
         row = {"model": name, "size": size, "dtype": rows[0]["dtype"], "strategy": "magis_nb",
-               "budget": b, "met": res.met, "peak": peak, "reserved": reserved,
+               "budget": b, "met": res.met, "peak": peak, "allocated": m.allocated, "reserved": m.reserved,
                "sim_peak": plan.peak, "sim_rel_error": abs(peak - plan.peak) / plan.peak,
                "time": t, "peak_ratio": peak / e_peak, "time_ratio": t / e_time,
                "sim_lat_ratio": plan.latency / res.before.latency,
@@ -222,6 +216,12 @@ def compare(d: Device, name: str, size: str, time_budget: float) -> list[dict]:
     return rows
 
 
+def _mib(n) -> str:
+    """MiB with two decimals; blank where there is no such count (the CPU has no
+    caching allocator)."""
+    return f"{n / MiB:.2f}" if n else ""
+
+
 def _md(report: dict) -> str:
     out = [f"# bench gpu: {report['device_name']}", "",
            f"torch {report['torch']}, {report.get('seconds', 0):.0f} s in all.", ""]
@@ -230,13 +230,15 @@ def _md(report: dict) -> str:
         out += [f"GPU tests: `{t['summary']}` (rc {t['rc']}, {t['seconds']} s)", ""]
     if report.get("simcheck"):
         out += ["## simcheck (tiny zoo, program order)", "",
-                "| model | simulated MiB | measured MiB | rel. error | allclose |", "|---|---|---|---|---|"]
+                "| model | simulated MiB | measured MiB | rel. error | allocator blocks MiB | allclose |",
+                "|---|---|---|---|---|---|"]
         for r in report["simcheck"]:
             if "error" in r:
                 out.append(f"| {r['model']} | failed: {r['error']} | | | False |")
                 continue
             out.append(f"| {r['model']} | {r['sim_peak'] / MiB:.2f} | {r['measured_peak'] / MiB:.2f} "
-                       f"| {r['rel_error']:.4f} | {r['allclose']} |")
+                       f"| {r['rel_error']:.4f} | {_mib(r.get('allocated_peak'))} "
+                       f"| {r['allclose']} |")
         out.append("")
     out += ["## eager vs magis_nb", "",
             "| model | dtype | strategy | budget | peak MiB | peak/eager | sim. peak MiB | "

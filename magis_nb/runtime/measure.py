@@ -68,6 +68,8 @@ class Measurement:
     peak: int           # baseline + tracked peak
     baseline: int       # bytes live before the call (weights, buffers, inputs, grads)
     result: object = None
+    allocated: int = 0  # CUDA: the same peak in the blocks the allocator handed out
+    reserved: int = 0   # CUDA: the allocator's reserved bytes at their peak
 
 
 def measure_cpu(fn: Callable[[], object], baseline_tensors: Iterable[torch.Tensor]) -> Measurement:
@@ -79,14 +81,29 @@ def measure_cpu(fn: Callable[[], object], baseline_tensors: Iterable[torch.Tenso
     return Measurement(base + tracker.peak, base, result)
 
 
-def measure_cuda(fn: Callable[[], object], device=None) -> Measurement:
-    """Peak of the CUDA caching allocator's allocated bytes during ``fn``."""
+def measure_cuda(fn: Callable[[], object], baseline_tensors: Iterable[torch.Tensor] = (),
+                 device=None) -> Measurement:
+    """Peak device memory of ``fn`` on CUDA, counting of what was allocated before
+    only ``baseline_tensors`` (a reference copy of the model, earlier results
+    are not the step's).
+
+    ``peak`` is in the bytes the step asked the caching allocator for (its
+    ``requested_bytes``): what the simulator models. ``allocated`` is the same
+    peak in the blocks the allocator handed out, which are rounded up to 512 B
+    and, in its large pool, keep an unsplit rest of up to 1 MiB of a cached block
+    they reuse (docs/gpu.md: the first GPU run measured only this count)."""
     torch.cuda.synchronize(device)
-    base = torch.cuda.memory_allocated(device)
+    base = storage_bytes(baseline_tensors)
+    st = torch.cuda.memory_stats(device)
+    req0 = st["requested_bytes.all.current"] - base
+    alloc0 = st["allocated_bytes.all.current"] - base
     torch.cuda.reset_peak_memory_stats(device)
     result = fn()
     torch.cuda.synchronize(device)
-    return Measurement(torch.cuda.max_memory_allocated(device), base, result)
+    st = torch.cuda.memory_stats(device)
+    return Measurement(st["requested_bytes.all.peak"] - req0, base, result,
+                       allocated=st["allocated_bytes.all.peak"] - alloc0,
+                       reserved=st["reserved_bytes.all.peak"])
 
 
 def model_baseline(model: torch.nn.Module, inputs) -> list[torch.Tensor]:
@@ -99,46 +116,53 @@ def model_baseline(model: torch.nn.Module, inputs) -> list[torch.Tensor]:
 
 
 class CudaOpPeaks(TorchDispatchMode):
-    """Per ATen op on a CUDA device: the allocator's bytes before and after the op,
-    the peak while it ran, and the bytes of its new output storages. What an op
-    takes beyond its outputs (``scratch``: cuBLAS/cuDNN workspace, a reduction's
-    staging buffer) or keeps after returning that is not an output (``kept``) is
-    what the simulator cannot see: the rows that explain a measured peak above the
-    simulated one (`bench gpu`'s simcheck)."""
+    """Per ATen op on a CUDA device, in the bytes asked of the caching allocator:
+    before and after the op, the peak while it ran, and its new output storages.
+    What an op takes beyond its outputs (``scratch``: cuBLAS/cuDNN workspace, a
+    reduction's staging buffer) or keeps after returning that is not an output
+    (``kept``) is what the simulator cannot see; ``overhead`` is what the blocks
+    handed out for it came to beyond the bytes asked (`measure_cuda`). The rows
+    explain a measured peak above the simulated one (`bench gpu`'s simcheck)."""
 
     def __init__(self, device=None):
         super().__init__()
         self.device = device
         self.rows: list[dict] = []
 
+    def _now(self) -> tuple[int, int, int]:
+        st = torch.cuda.memory_stats(self.device)
+        return (st["requested_bytes.all.current"], st["requested_bytes.all.peak"],
+                st["allocated_bytes.all.current"])
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         before_ptrs = {t.untyped_storage().data_ptr()
                        for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        before = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
+        before, _, alloc0 = self._now()
         out = func(*args, **kwargs)
-        after = torch.cuda.memory_allocated(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
+        after, peak, alloc1 = self._now()
         outs = storage_bytes(t for t in tree_leaves(out) if isinstance(t, torch.Tensor)
                              and t.untyped_storage().data_ptr() not in before_ptrs)
         self.rows.append({"op": str(func), "before": before, "after": after, "peak": peak,
                           "outputs": outs, "scratch": peak - after,
-                          "kept": after - before - outs})
+                          "kept": after - before - outs,
+                          "overhead": (alloc1 - alloc0) - (after - before)})
         return out
 
     def summary(self, top: int = 3) -> dict:
-        """The step's peak and where it was reached; the ops with the most scratch
-        and the most kept bytes."""
+        """The step's peak and where it was reached; the ops with the most scratch,
+        the most kept bytes and the most block overhead."""
         if not self.rows:
             return {}
         at = max(range(len(self.rows)), key=lambda i: self.rows[i]["peak"])
 
         def brief(r):
-            return {k: r[k] for k in ("op", "outputs", "scratch", "kept")}
+            return {k: r[k] for k in ("op", "outputs", "scratch", "kept", "overhead")}
+
+        def most(key):
+            return [brief(r) for r in sorted(self.rows, key=lambda r: -r[key])[:top] if r[key] > 0]
 
         return {"peak": self.rows[at]["peak"], "peak_op": brief(self.rows[at]), "peak_index": at,
-                "ops": len(self.rows),
-                "scratch": [brief(r) for r in sorted(self.rows, key=lambda r: -r["scratch"])[:top]],
-                "kept": [brief(r) for r in sorted(self.rows, key=lambda r: -r["kept"])[:top]
-                         if r["kept"] > 0]}
+                "ops": len(self.rows), "scratch": most("scratch"), "kept": most("kept"),
+                "overhead": most("overhead")}
