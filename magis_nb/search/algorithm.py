@@ -37,7 +37,7 @@ from .algebra_gains import AlgebraGains
 from .gcpause import collect_due, paused_gc
 from .linesearch import JUMPS, jump, step_back
 from .objective import Objective, SearchLog, pareto_add
-from .proposals import enable_top, proposals
+from .proposals import enable_blocks, enable_top, proposals
 from .queues import Ladder, StateQueue, expanded
 from .space import Space, State
 
@@ -45,6 +45,7 @@ RELAX = 1.1
 EXPAND = 8                 # children evaluated per pop (see _Search.run)
 DIVE_EVERY = 4             # a memory-budget search's dive turn while the ladder runs
 FISSION_RULES = ("enable", "enable-top", "lift", "mutate")
+BLOCK_PARTS = (16, 64)     # n of `_Search.every_block`'s plans
 EXPENSIVE = 5.0            # seconds a child is predicted to cost: `_Search.lat_limit`
 
 Progress = Callable[[State, int, float, bool], None]
@@ -302,6 +303,21 @@ class _Search:
                 return
             prev, cur, first = cur, nxt, False
 
+    def every_block(self, root: State, top: tuple) -> None:
+        """When the top candidate splits along a dimension whose regions
+        recompute (the sequence, at batch 1: the batch cannot be split), all of
+        them enabled together (`proposals.enable_blocks`) in BLOCK_PARTS[0]
+        parts, and under a memory budget it does not meet yet, in the next."""
+        (cid, _), = set(top) - set(root.plan)
+        comp = self.space.cands[cid].comp
+        for n in BLOCK_PARTS:
+            plan = None if self.out_of_time() else enable_blocks(self.space, root, n, comp)
+            if plan is None:
+                return
+            st = self.visit(root, "enable-blocks", plan, (), set())
+            if st is None or self.objective.kind != "mem" or st.peak <= self.objective.limit:
+                return
+
     # -- the loop ------------------------------------------------------------
     def leader(self) -> State | None:
         """The state a new best is measured against (`run`): under a latency
@@ -336,6 +352,7 @@ class _Search:
             child = self.visit(root, "enable-top", top, (), set())
             if child is not None:
                 self.line_search(root, child, self.packed(root, child))
+            self.every_block(root, top)
         turn = 0
         while not self.out_of_time():
             turn += 1
