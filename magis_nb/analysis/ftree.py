@@ -202,7 +202,7 @@ def _segments(dg: DGraph, comp: int, nodes) -> list[set[int]]:
     # in the earliest segment, the transpose of the saved probabilities before
     # dV's matmul in a block's attention backward was left out of that block's
     # segment, and its read kept the forward's [T, T] probabilities whole.
-    waiting: dict[int, int] = {}        # source -> its depth, until a reader places it
+    waiting: set[int] = set()           # sources no reader has placed yet
     for v in sorted(range(len(g.nodes)), key=pos.__getitem__):
         lo = max((depth[p] for p in g.preds(v)), default=0)
         if v not in inside:
@@ -212,7 +212,8 @@ def _segments(dg: DGraph, comp: int, nodes) -> list[set[int]]:
         axes = [c.axis_of[v]] if v in c.axis_of else c.choices[v]
         if not any(p in inside for p in g.preds(v)) and g.succs(v) \
                 and all(w in inside for w in g.succs(v)):
-            waiting[v] = depth[v] = lo
+            waiting.add(v)
+            depth[v] = lo
             continue
         def agrees(s, a):
             # each producer in segment s splits the tensor v reads, along the
@@ -241,8 +242,10 @@ def _segments(dg: DGraph, comp: int, nodes) -> list[set[int]]:
             w_axes = [c.axis_of[u]] if u in c.axis_of else c.choices[u]
             fit = next((b for b in w_axes if k in sliced
                         and (r.out, sliced[k]) in dg.dims[u].axes[b].outputs), None)
-            if fit is not None and waiting[u] <= s:
-                del waiting[u]
+            # only its first reader places it: one placed before it would read
+            # from a later segment
+            waiting.discard(u)
+            if fit is not None:
                 segs[s].add(u)
                 seg_of[u], chosen[u], depth[u] = s, fit, s
     # no reader took it (they read it whole, like attention's k and v): it is
