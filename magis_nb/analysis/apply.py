@@ -39,8 +39,7 @@ from ..simulate.cost import is_free
 from .causal import CAUSAL_MASK, CAUSAL_MASK_TARGET, CausalPart
 from .dgraph import DGraph
 from .dims_base import dim_index
-from .ftrans import (FTrans, check, plan_outputs, recompute_fits, recompute_reads,
-                     region_outputs)
+from .ftrans import FTrans, check, plan_outputs
 from .masks import PackedMask, pack_masks
 from .proto import (External, ProtoBuilder, full_result, full_stride, layout_seen, order_after,
                     tensor_info)
@@ -59,13 +58,11 @@ def apply_fission(dg: DGraph, regions: Iterable[FTrans]) -> Graph:
     proto: dict[int, int] = {}            # original node id -> proto id (unsplit nodes)
     joined: dict[Ref, Ref] = {}           # region output -> proto ref of the full result
     plans = [None if f.tiles else plan_outputs(dg, f) for f in regions]
-    _drop_recomputed_outputs(g, regions, plans, owner)
     shared = [{} if f.tiles else _shared_sums(g, f, plans[i], owner) for i, f in enumerate(regions)]
     packs: list[tuple[int, int]] = []     # (a packed mask's allocation, its pack op's proto id)
-    dead = _recomputed_only(g, regions, owner)
     # Region outputs get their proto ids first so that later consumers can point to them.
     for n in g.nodes:
-        if n.id in owner or n.id in dead:
+        if n.id in owner:
             continue
         proto[n.id] = b.add(_copy(n), (n.id, 0, 0, 0))
     for i, f in enumerate(regions):
@@ -82,7 +79,7 @@ def apply_fission(dg: DGraph, regions: Iterable[FTrans]) -> Graph:
         return Ref(proto[r.node], r.out)
 
     for n in g.nodes:
-        if n.id in owner or n.id in dead:
+        if n.id in owner:
             continue
         v = b.nodes[proto[n.id]]
         v.args = map_refs(n.args, resolve)
@@ -105,56 +102,6 @@ def apply_fission(dg: DGraph, regions: Iterable[FTrans]) -> Graph:
     return b.finish([resolve(r) for r in g.outputs], g.output_roles)
 
 
-def _recomputed_only(g: Graph, regions: list[FTrans], owner) -> set[int]:
-    """Recomputed ops no region splits whose outputs nothing reads whole: every
-    region reading them recomputes them, and every unsplit reader is one of
-    them too. Their originals would make whole tensors nobody reads (the zoo
-    GPT's causal mask, [T, T] int64 at 8L: every block's attention forward and
-    backward remake their rows of it)."""
-    rec_any = set().union(*(f.recompute for f in regions))
-    if not rec_any:
-        return set()
-    returned = {r.node for r in g.outputs}
-    dead: set[int] = set()
-    for v in sorted(rec_any, reverse=True):      # readers first (ids are topological)
-        if v not in owner and v not in returned and not g.nodes[v].rng \
-                and not _read_whole(g, v, regions, owner, dead, None):
-            dead.add(v)
-    return dead
-
-
-def _read_whole(g: Graph, v: int, regions: list[FTrans], owner, dead, mine: int | None,
-                out: int | None = None) -> bool:
-    """Something in the split program reads op ``v``'s original output (``out``,
-    or any): an unsplit op that stays, or a region other than ``mine`` whose ops
-    or recomputed copies read it without recomputing ``v`` themselves."""
-    for w in g.succs(v):
-        n = g.nodes[w]
-        if v in n.deps:
-            return True
-        if not any(r.node == v and (out is None or r.out == out) for r in n.refs()):
-            continue
-        if w not in owner and w not in dead:
-            return True                 # an unsplit op, or a recomputed op's original
-        for k, f in enumerate(regions):
-            if k != mine and (w in f.ops or w in f.recompute) \
-                    and v not in f.recompute and v not in f.ops:
-                return True
-    return False
-
-
-def _drop_recomputed_outputs(g: Graph, regions: list[FTrans], plans: list, owner) -> None:
-    """An output of a region read only by regions that recompute it is not made
-    whole (Note [recomputing what another region splits] in ftrans.py: the
-    forward's probabilities die in its parts)."""
-    for i, plan in enumerate(plans):
-        if not plan:
-            continue
-        for r in list(plan):
-            if r not in g.outputs and not _read_whole(g, r.node, regions, owner, set(), i, r.out):
-                del plan[r]
-
-
 def _owners(dg: DGraph, regions: list[FTrans]) -> dict[int, int]:
     """Op id -> index of the region that holds it; raises on an invalid or
     overlapping region."""
@@ -168,17 +115,9 @@ def _owners(dg: DGraph, regions: list[FTrans]) -> dict[int, int]:
             if v in owner:
                 raise ValueError("fission regions overlap (nested fission is not supported)")
             owner[v] = i
-    g = dg.graph
     for i, f in enumerate(regions):
-        hit = {owner[v] for v in f.recompute if v in owner}
-        if hit:
-            reads = recompute_reads(g, f.recompute)
-            for j in hit:
-                ops = regions[j].ops
-                if j == i or not recompute_fits(reads, f.recompute, ops,
-                                                frozenset(region_outputs(g, ops))):
-                    raise ValueError(f"fission region {i} recomputes an op region {j} "
-                                     "splits, from tensors inside that region")
+        if any(v in owner for v in f.recompute):
+            raise ValueError(f"fission region {i} recomputes an op another region splits")
     return owner
 
 
