@@ -9,7 +9,7 @@ import torch.nn as nn
 from .capture import Captured, capture
 from .ir import Graph, Ref, build_graph
 from .ir.passes import (decompose_dropout, drop_identity_clones, drop_metadata_asserts,
-                        split_mean_loss)
+                        read_through_detaches, split_mean_loss)
 from .ir.shifted_loss import unshift_loss
 from .runtime import OptimizedModule
 from .simulate import MemGraph, MemoryTimeline, simulate_memory
@@ -55,6 +55,6 @@ def trace(model: nn.Module, inputs, *, loss_fn: Callable | None = None,
     """Capture ``model`` and build its IR and memory model."""
     cap = capture(model, inputs, loss_fn=loss_fn, mode=mode)
     g = split_mean_loss(decompose_dropout(unshift_loss(drop_metadata_asserts(build_graph(cap)))))
-    g = drop_identity_clones(g)
+    g = read_through_detaches(drop_identity_clones(g))
     mg, op_ids, refs = g.memgraph()
     return Program(model, cap, g, mg, op_ids, refs)

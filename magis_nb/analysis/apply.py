@@ -39,8 +39,10 @@ from ..simulate.cost import is_free
 from .causal import CAUSAL_MASK, CAUSAL_MASK_TARGET, CausalPart
 from .dgraph import DGraph
 from .dims_base import dim_index
-from .ftrans import FTrans, check, plan_outputs
+from .ftrans import (FTrans, check, plan_outputs, recompute_fits, recompute_reads,
+                     region_outputs)
 from .masks import PackedMask, pack_masks
+from .part_layout import RESHAPES, PartLayouts
 from .proto import (External, ProtoBuilder, full_result, full_stride, layout_seen, order_after,
                     tensor_info)
 from .spatial import check as check_tiles
@@ -58,11 +60,13 @@ def apply_fission(dg: DGraph, regions: Iterable[FTrans]) -> Graph:
     proto: dict[int, int] = {}            # original node id -> proto id (unsplit nodes)
     joined: dict[Ref, Ref] = {}           # region output -> proto ref of the full result
     plans = [None if f.tiles else plan_outputs(dg, f) for f in regions]
+    _drop_recomputed_outputs(g, regions, plans, owner)
     shared = [{} if f.tiles else _shared_sums(g, f, plans[i], owner) for i, f in enumerate(regions)]
     packs: list[tuple[int, int]] = []     # (a packed mask's allocation, its pack op's proto id)
+    dead = _recomputed_only(g, regions, owner)
     # Region outputs get their proto ids first so that later consumers can point to them.
     for n in g.nodes:
-        if n.id in owner:
+        if n.id in owner or n.id in dead:
             continue
         proto[n.id] = b.add(_copy(n), (n.id, 0, 0, 0))
     for i, f in enumerate(regions):
@@ -79,7 +83,7 @@ def apply_fission(dg: DGraph, regions: Iterable[FTrans]) -> Graph:
         return Ref(proto[r.node], r.out)
 
     for n in g.nodes:
-        if n.id in owner:
+        if n.id in owner or n.id in dead:
             continue
         v = b.nodes[proto[n.id]]
         v.args = map_refs(n.args, resolve)
@@ -102,6 +106,56 @@ def apply_fission(dg: DGraph, regions: Iterable[FTrans]) -> Graph:
     return b.finish([resolve(r) for r in g.outputs], g.output_roles)
 
 
+def _recomputed_only(g: Graph, regions: list[FTrans], owner) -> set[int]:
+    """Recomputed ops no region splits whose outputs nothing reads whole: every
+    region reading them recomputes them, and every unsplit reader is one of
+    them too. Their originals would make whole tensors nobody reads (the zoo
+    GPT's causal mask, [T, T] int64 at 8L: every block's attention forward and
+    backward remake their rows of it)."""
+    rec_any = set().union(*(f.recompute for f in regions))
+    if not rec_any:
+        return set()
+    returned = {r.node for r in g.outputs}
+    dead: set[int] = set()
+    for v in sorted(rec_any, reverse=True):      # readers first (ids are topological)
+        if v not in owner and v not in returned and not g.nodes[v].rng \
+                and not _read_whole(g, v, regions, owner, dead, None):
+            dead.add(v)
+    return dead
+
+
+def _read_whole(g: Graph, v: int, regions: list[FTrans], owner, dead, mine: int | None,
+                out: int | None = None) -> bool:
+    """Something in the split program reads op ``v``'s original output (``out``,
+    or any): an unsplit op that stays, or a region other than ``mine`` whose ops
+    or recomputed copies read it without recomputing ``v`` themselves."""
+    for w in g.succs(v):
+        n = g.nodes[w]
+        if v in n.deps:
+            return True
+        if not any(r.node == v and (out is None or r.out == out) for r in n.refs()):
+            continue
+        if w not in owner and w not in dead:
+            return True                 # an unsplit op, or a recomputed op's original
+        for k, f in enumerate(regions):
+            if k != mine and (w in f.ops or w in f.recompute) \
+                    and v not in f.recompute and v not in f.ops:
+                return True
+    return False
+
+
+def _drop_recomputed_outputs(g: Graph, regions: list[FTrans], plans: list, owner) -> None:
+    """An output of a region read only by regions that recompute it is not made
+    whole (Note [recomputing what another region splits] in ftrans.py: the
+    forward's probabilities die in its parts)."""
+    for i, plan in enumerate(plans):
+        if not plan:
+            continue
+        for r in list(plan):
+            if r not in g.outputs and not _read_whole(g, r.node, regions, owner, set(), i, r.out):
+                del plan[r]
+
+
 def _owners(dg: DGraph, regions: list[FTrans]) -> dict[int, int]:
     """Op id -> index of the region that holds it; raises on an invalid or
     overlapping region."""
@@ -115,9 +169,17 @@ def _owners(dg: DGraph, regions: list[FTrans]) -> dict[int, int]:
             if v in owner:
                 raise ValueError("fission regions overlap (nested fission is not supported)")
             owner[v] = i
+    g = dg.graph
     for i, f in enumerate(regions):
-        if any(v in owner for v in f.recompute):
-            raise ValueError(f"fission region {i} recomputes an op another region splits")
+        hit = {owner[v] for v in f.recompute if v in owner}
+        if hit:
+            reads = recompute_reads(g, f.recompute)
+            for j in hit:
+                ops = regions[j].ops
+                if j == i or not recompute_fits(reads, f.recompute, ops,
+                                                frozenset(region_outputs(g, ops))):
+                    raise ValueError(f"fission region {i} recomputes an op region {j} "
+                                     "splits, from tensors inside that region")
     return owner
 
 
@@ -263,6 +325,7 @@ class _Expansion:
         self.mates: dict[Ref, Ref] = {}      # a sum -> the sum it shares its full result with
         # op -> (input dims cut, part shapes, chunked args, kwargs): `split_op`
         self.per_op: dict[int, tuple] = {}
+        self.layouts = PartLayouts(b, self.g)
 
     def key(self, phase: int, k: int) -> tuple:
         """The sort key of the next node: phase 0 before the parts, 1 in part k, 2 after."""
@@ -414,6 +477,8 @@ class _Expansion:
         args = map_refs(tuple(args), sub, counter)
         kwargs = map_refs(dict(kwargs), sub, counter)
         args, kwargs = self.causal_mask(node, args, kwargs, k)
+        if node.target in RESHAPES and not self.layouts.viewable(node, args, kwargs):
+            args = (self.viewable_copy(args[0], k),) + tuple(args[1:])
         outs = []
         for i, t in enumerate(node.outputs):
             if t is None:
@@ -426,8 +491,20 @@ class _Expansion:
         nid = self.b.op(node.target, node.op, args, kwargs, outs, self.key(1, k),
                         f"{node.name}{again}_p{k}", node.category, Region(self.rid, k, self.n, 0))
         self.b.nodes[nid].multi = node.multi
+        self.layouts.origin[nid] = v
         for i in range(len(node.outputs)):
             part[Ref(v, i)] = Ref(nid, i)
+
+    def viewable_copy(self, pr: Ref, k: int) -> Ref:
+        """A contiguous copy of part ``pr`` for a view its layout does not allow
+        (Note [views of parts] in part_layout.py)."""
+        src = self.b.nodes[pr.node]
+        t = src.outputs[pr.out]
+        cp = self.b.op("aten.clone.default", aten.clone.default, [pr],
+                       {"memory_format": torch.contiguous_format},
+                       [tensor_info(t.shape, t)], self.key(1, k), f"{src.name}_vc", src.category,
+                       Region(self.rid, k, self.n, 0))
+        return Ref(cp, 0)
 
     def causal_mask(self, node: Node, args, kwargs, k: int):
         """A rule's `CausalPart` placeholder becomes part k's own causal mask op

@@ -26,6 +26,17 @@ attention does for the scores and chunked MLPs do by hand, found for every
 backward segment of the sequence component (`ftree._segments` over the
 backward ops alone). A recomputed op must not draw random numbers; the region
 and its recomputed ops must agree on their axes as one region would.
+
+Note [recomputing what another region splits]
+A block's attention forward split along the queries and its backward region
+recomputing the same scores and probabilities per query part are both needed
+at long context: the first keeps the forward from making [T, T] tensors whole,
+the second keeps the backward from reading them whole. The recomputed copies
+read only what the recompute set reads from outside itself (q, k, v, the
+mask); where those come from the forward region they are its outputs, made
+whole there, so the copies need nothing of the forward region's parts and the
+two regions can both be enabled (`recompute_fits`). The forward region's
+originals still run; only their outputs die inside it.
 """
 from __future__ import annotations
 
@@ -161,6 +172,22 @@ def check(dg: DGraph, ops, comp: int, n: int = 2, recompute=frozenset()) -> str 
         if not any(o == r.out for o, _ in ax.outputs) and ax.combine is None:
             return f"output of {g.nodes[r.node].name} cannot be merged across parts"
     return None
+
+
+def recompute_reads(g: Graph, recompute) -> frozenset[Ref]:
+    """The tensors a region's recomputed ops read from outside them."""
+    rec = frozenset(recompute)
+    return frozenset(Ref(r.node, r.out) for v in rec for r in g.nodes[v].refs()
+                     if r.node not in rec)
+
+
+def recompute_fits(reads: frozenset[Ref], rec: frozenset[int], ops: frozenset[int],
+                   outs: frozenset[Ref]) -> bool:
+    """Note [recomputing what another region splits]: a region whose recomputed
+    ops ``rec`` (reading ``reads``) include ops of another region (``ops``, its
+    outputs ``outs``) is still exact when everything the recomputed copies read
+    of that region is one of its outputs, made whole."""
+    return not (rec & ops) or all(r in outs for r in reads if r.node in ops)
 
 
 def plan_outputs(dg: DGraph, f: FTrans) -> dict[Ref, tuple[str, int]]:

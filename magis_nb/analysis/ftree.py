@@ -13,7 +13,8 @@ import rustworkx as rx
 
 from ..ir.graph import Graph, Ref
 from .dgraph import DGraph
-from .ftrans import FTrans, check, divisors, max_parts, reentered, weak_pieces
+from .ftrans import (FTrans, check, divisors, max_parts, recompute_fits, recompute_reads,
+                     reentered, region_outputs, weak_pieces)
 from .masks import packable_masks
 
 # Splitting into more parts than this only adds per-op overhead (and the split
@@ -48,6 +49,10 @@ class Candidate:
     # image dims split into tiles, n per dim (Note [tiles with halos] in spatial.py);
     # such a candidate has no D component (comp -1)
     tiles: tuple[int, ...] = ()
+    # what its recomputed ops read from outside them, and the region's outputs:
+    # Note [recomputing what another region splits] in ftrans.py
+    reads: frozenset[Ref] = frozenset()
+    outs: frozenset[Ref] = frozenset()
 
     def ftrans(self, n: int) -> FTrans:
         return FTrans(self.ops, self.comp, n, self.pack, self.recompute, self.tiles)
@@ -192,6 +197,12 @@ def _segments(dg: DGraph, comp: int, nodes) -> list[set[int]]:
     seg_of: dict[int, int] = {}
     chosen: dict[int, int] = {}
     segs: list[set[int]] = []
+    # A source (no producer inside) that only ops inside read joins its first
+    # reader's segment, with the axis that makes the slice the reader cuts: put
+    # in the earliest segment, the transpose of the saved probabilities before
+    # dV's matmul in a block's attention backward was left out of that block's
+    # segment, and its read kept the forward's [T, T] probabilities whole.
+    waiting: set[int] = set()           # sources no reader has placed yet
     for v in sorted(range(len(g.nodes)), key=pos.__getitem__):
         lo = max((depth[p] for p in g.preds(v)), default=0)
         if v not in inside:
@@ -199,6 +210,11 @@ def _segments(dg: DGraph, comp: int, nodes) -> list[set[int]]:
             continue
         refs = list(g.nodes[v].refs())
         axes = [c.axis_of[v]] if v in c.axis_of else c.choices[v]
+        if not any(p in inside for p in g.preds(v)) and g.succs(v) \
+                and all(w in inside for w in g.succs(v)):
+            waiting.add(v)
+            depth[v] = lo
+            continue
         def agrees(s, a):
             # each producer in segment s splits the tensor v reads, along the
             # dim v's axis slices (a reduced output or one read whole cannot stay)
@@ -218,6 +234,22 @@ def _segments(dg: DGraph, comp: int, nodes) -> list[set[int]]:
         s, a = placed
         segs[s].add(v)
         seg_of[v], chosen[v], depth[v] = s, a, max(lo, s)
+        sliced = dict(dg.dims[v].axes[a].inputs)
+        for k, r in enumerate(refs):
+            u = r.node
+            if u not in waiting:
+                continue
+            w_axes = [c.axis_of[u]] if u in c.axis_of else c.choices[u]
+            fit = next((b for b in w_axes if k in sliced
+                        and (r.out, sliced[k]) in dg.dims[u].axes[b].outputs), None)
+            # only its first reader places it: one placed before it would read
+            # from a later segment
+            waiting.discard(u)
+            if fit is not None:
+                segs[s].add(u)
+                seg_of[u], chosen[u], depth[u] = s, fit, s
+    # no reader took it (they read it whole, like attention's k and v): it is
+    # left out of every segment, and its readers read it as a region input
     out = []
     for seg in segs:
         core = _convex_core(g, seg)
@@ -282,35 +314,45 @@ def build_ftree(dg: DGraph, hotspots: dict[Ref, int], *, levels: int = 4, n: int
         for v in nodes:
             if dom[v]:
                 score[v], heat[v] = scored(dom[v])
-        segs = {}
-        again: dict[int, frozenset[int]] = {}
+        segs = []                       # (first op, ops, score, heat, recomputed)
         if _conflicted(dg, comp.id, nodes):
             for seg in _segments(dg, comp.id, nodes):
-                segs[min(seg)] = (frozenset(seg), *scored(seg))
+                segs.append((min(seg), frozenset(seg), *scored(seg), frozenset()))
+            # the forward alone: the last block's attention, whose cut above runs
+            # on into the loss's backward, as a region of its own; each part
+            # makes its rows of the causal mask
+            for seg in _segments(dg, comp.id, [v for v in nodes if v in fwd]):
+                seg = frozenset(seg)
+                rec = side_recompute(dg, seg, comp.id, from_inputs)
+                if rec and check(dg, seg, comp.id, 1, rec) is not None:
+                    rec = frozenset()
+                segs.append((min(seg), seg, *scored(seg), rec))
             # the backward alone, cut the same way, each segment remaking its slices
-            # of the forward it reads (Note [recomputed in parts] in ftrans.py)
+            # of the forward it reads (Note [recomputed in parts] in ftrans.py); a
+            # segment the cut above also gave is offered again with them (a block's
+            # attention backward: kept whole, the forward's [T, T] probabilities)
             for seg in _segments(dg, comp.id, [v for v in nodes if v not in fwd]):
                 seg = frozenset(seg)
                 if late is None:
                     late = late_readers(g, fwd)
-                rec = recompute_set(dg, seg, comp.id, fwd, late) \
-                    if seg not in (x[0] for x in segs.values()) else None
+                rec = recompute_set(dg, seg, comp.id, fwd, late)
                 if rec and check(dg, seg, comp.id, 1, rec) is None:
                     freed = sum(hot_by_op.get(w, 0) for w in rec)
-                    v = min(seg)
-                    segs[v] = (seg, (1 - 1 / n) * freed, freed)
-                    again[v] = rec
-        smax = max([*score.values(), *(sc for _, sc, _ in segs.values())], default=0)
+                    segs.append((min(seg), seg, (1 - 1 / n) * freed, freed, rec))
+        smax = max([*score.values(), *(x[2] for x in segs)], default=0)
         if smax <= 0:
             continue
 
         def add(ops, v, lvl, sc, h, rec=frozenset()):
+            ops = _without_saved_views(g, ops, fwd)
             if len(ops) < min_ops or (ops, comp.id, rec) in seen or check(dg, ops, comp.id, 1, rec):
                 return
             top = largest_parts(max_parts(dg, ops | rec, comp.id))
             if top > 1:
                 seen.add((ops, comp.id, rec))
-                cands.append(Candidate(len(cands), ops, comp.id, v, lvl, sc, h, top, recompute=rec))
+                cands.append(Candidate(len(cands), ops, comp.id, v, lvl, sc, h, top, recompute=rec,
+                                       reads=recompute_reads(g, rec),
+                                       outs=frozenset(region_outputs(g, ops))))
 
         for lvl in range(1, levels + 1):
             band = {v for v, s in score.items()
@@ -319,12 +361,28 @@ def build_ftree(dg: DGraph, hotspots: dict[Ref, int], *, levels: int = 4, n: int
                 if dom[v] & band:
                     continue  # a descendant in the same band is chosen instead
                 add(frozenset(dom[v]), v, lvl, score[v], heat[v])
-        for v, (ops, sc, h) in sorted(segs.items()):
+        for v, ops, sc, h, rec in sorted(segs, key=lambda x: (x[0], len(x[4]))):
             if sc > 0:
-                add(ops, v, max(1, min(levels, int(levels * sc / smax))), sc, h,
-                    again.get(v, frozenset()))
+                add(ops, v, max(1, min(levels, int(levels * sc / smax))), sc, h, rec)
     _link(cands)
     return cands
+
+
+def _without_saved_views(g: Graph, ops: frozenset[int], fwd: set[int]) -> frozenset[int]:
+    """A forward region whose only backward ops are views of its tensors (the
+    transposes aten's backward reads the saved probabilities, q and k through)
+    leaves them out: split with it, each would be joined into a whole tensor for
+    the backward (a [T, T] one for attention), where a backward region can read
+    or recompute the slices itself."""
+    back = ops - fwd
+    if not back or back == ops:
+        return ops
+    for v in back:
+        n = g.nodes[v]
+        if not n.outputs or any(t is None or t.alias is None for t in n.outputs) \
+                or not all(p in fwd for p in g.preds(v)):
+            return ops
+    return ops - back
 
 
 def add_pack_twins(dg: DGraph, cands: list[Candidate]) -> None:
@@ -363,9 +421,25 @@ def recompute_set(dg: DGraph, region: frozenset[int], cid: int, fwd: set[int],
     region reads in slices and nothing else after the forward reads, and so on
     upward while that holds: each part can remake its slice of them, and the
     whole tensors need not be kept from the forward to the region."""
-    g, comp = dg.graph, dg.components[cid]
     if region & fwd:
         return frozenset()          # a region in the backward only
+    return _walk_up(dg, region, cid, lambda r: r.node in fwd and late.get(r, set()) <= region)
+
+
+def side_recompute(dg: DGraph, region: frozenset[int], cid: int,
+                   from_inputs: dict[int, bool]) -> frozenset[int]:
+    """The ops computed from the data alone (a causal mask, positions) that the
+    region reads in slices: each part makes its own rows of them (at 2048
+    tokens the zoo GPT's mask is made from a [T, T] int64 difference, 32 MiB).
+    The originals still run for other readers; where every reader remakes its
+    slices, the split program drops them (`apply._recomputed_only`)."""
+    return _walk_up(dg, region, cid, lambda r: from_inputs.get(r.node, False))
+
+
+def _walk_up(dg: DGraph, region: frozenset[int], cid: int, ok) -> frozenset[int]:
+    """Producers of what ``region`` reads in slices, and upward, while ``ok``
+    holds of the tensor read and the producer can make that slice."""
+    g, comp = dg.graph, dg.components[cid]
     axes = dg.region_axes(region, cid)
     if isinstance(axes, str):
         return frozenset()
@@ -377,13 +451,19 @@ def recompute_set(dg: DGraph, region: frozenset[int], cid: int, fwd: set[int],
     while todo:
         r, d = todo.pop()
         p = r.node
-        if p in got or p not in fwd or p not in comp.axis_of or g.nodes[p].rng \
-                or g.nodes[p].kind != "op" or not late.get(r, set()) <= region \
-                or (r.out, d) not in dg.axis(p, cid).outputs:
+        if p in got or p in region or g.nodes[p].rng or g.nodes[p].kind != "op" or not ok(r):
+            continue
+        # an ambiguous op (attention's scores, the causal mask) takes the axis
+        # that makes the slice its reader cuts: the query rows (Note [ambiguous
+        # ops] in dgraph.py); `check` verifies the whole region agrees
+        a = next((dg.dims[p].axes[i] for i in
+                  ([comp.axis_of[p]] if p in comp.axis_of else comp.choices.get(p, ()))
+                  if (r.out, d) in dg.dims[p].axes[i].outputs), None)
+        if a is None:
             continue
         got.add(p)
         refs = list(g.nodes[p].refs())
-        todo += [(refs[k], dk) for k, dk in dg.axis(p, cid).inputs]
+        todo += [(refs[k], dk) for k, dk in a.inputs]
     return frozenset(got)
 
 
@@ -414,12 +494,19 @@ def _descendants(cands, i):
         stack.extend(cands[j].children)
 
 
-def _overlaps(cands, plan, i) -> bool:
-    """Region i shares an op with another enabled one; an op a region recomputes
-    counts as its own (its copies read that op's inputs as they are outside)."""
-    mine = cands[i].ops | cands[i].recompute
-    return any(mine & (cands[j].ops | cands[j].recompute) for j, n in plan.items()
-               if n > 1 and j != i)
+def overlaps(cands, plan, i) -> bool:
+    """Region i shares an op with another enabled one. Two regions may recompute
+    the same op (each makes its own slices, the original runs unsplit: the causal
+    mask every block's backward remakes), and one may recompute ops another
+    splits when its copies read only that region's outputs (Note [recomputing
+    what another region splits] in ftrans.py)."""
+    c = cands[i]
+    return any(_clash(c, cands[j]) for j, n in plan.items() if n > 1 and j != i)
+
+
+def _clash(a: Candidate, b: Candidate) -> bool:
+    return bool(a.ops & b.ops) or not recompute_fits(a.reads, a.recompute, b.ops, b.outs) \
+        or not recompute_fits(b.reads, b.recompute, a.ops, a.outs)
 
 
 def mutations(cands: list[Candidate], plan: dict[int, int]) -> list[tuple[str, dict[int, int]]]:
@@ -444,7 +531,7 @@ def mutations(cands: list[Candidate], plan: dict[int, int]) -> list[tuple[str, d
             if p is not None and not any(j in on for j in _ancestors(cands, i)):
                 lifted = {k: v for k, v in plan.items() if k not in _descendants(cands, p)}
                 lifted[p] = least_parts(cands[p].max_n)
-                if not _overlaps(cands, lifted, p):
+                if not overlaps(cands, lifted, p):
                     out.append(("lift", lifted))
         elif c.pack:
             continue        # a packed twin is reached from its region by "pack" only
@@ -453,6 +540,6 @@ def mutations(cands: list[Candidate], plan: dict[int, int]) -> list[tuple[str, d
                 continue
             trial = {k: v for k, v in plan.items() if k not in set(_descendants(cands, i))}
             trial[i] = least_parts(c.max_n)
-            if not _overlaps(cands, trial, i):
+            if not overlaps(cands, trial, i):
                 out.append(("enable", trial))
     return out

@@ -66,6 +66,18 @@ strides and dtype, the input's storage no bigger than the copy (keeping a big
 base alive for a small slice's readers would cost more than the copy), neither
 written in place, and the copy not an output of the step (the caller would
 get an alias).
+
+Note [reading through detach]
+The captured joint graph passes saved activations to the backward through
+``detach`` (aten's autograd saves ``softmax(x).detach()`` for
+``_softmax_backward_data``, the zoo GPT two detaches per block). Nothing runs
+autograd on the captured program, so a detach there is an alias that changes
+no value. As an op of its own it sat between the forward and the backward: a
+backward region along the sequence could not follow it up to the softmax and
+recompute the [T, T] probabilities per query part (Note [recomputed in parts]
+in `analysis/ftrans.py`), so every block kept them whole from its forward (64
+MiB a block, zoo GPT at 2048 tokens). Readers of a detach (or ``alias``) read
+its input instead, unless the alias is returned or written in place.
 """
 from __future__ import annotations
 
@@ -289,6 +301,26 @@ def writes_into_input(n: Node) -> bool:
     schema = getattr(n.op, "_schema", None)
     return bool(schema) and any(a.alias_info is not None and a.alias_info.is_write
                                 for a in schema.arguments)
+
+
+def read_through_detaches(g: Graph) -> Graph:
+    """Readers of a detach or alias read its input (Note [reading through detach])."""
+    returned = set(g.outputs)
+    written = {r for m in g.ops if writes_into_input(m) for r in m.refs()}
+    drop = {n.id for n in g.ops
+            if n.target in ("aten.detach.default", "aten.alias.default")
+            and isinstance(n.args[0], Ref) and not n.deps and n.outputs[0] is not None
+            and Ref(n.id, 0) not in returned and Ref(n.id, 0) not in written}
+    if not drop:
+        return g
+
+    def rule(rw: Rewriter, n: Node) -> bool:
+        if n.id not in drop:
+            return False
+        rw.remap[Ref(n.id, 0)] = rw.fix(n.args[0])
+        return True
+
+    return Rewriter(g).run(rule)
 
 
 def drop_identity_clones(g: Graph) -> Graph:

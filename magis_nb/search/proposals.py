@@ -12,7 +12,7 @@ region's part ops, each made in every part (Note [rewrites inside the parts] in
 """
 from __future__ import annotations
 
-from ..analysis.ftree import least_parts, mutations
+from ..analysis.ftree import largest_parts, least_parts, mutations, overlaps
 from .algebra_gains import AlgebraGains, product_of
 from .pricing import Ranked, batch_price, ranked
 from .space import Batch, Space, State, every_part
@@ -172,3 +172,25 @@ def enable_top(space: Space, st: State) -> tuple | None:
             continue
         return tuple(sorted({**plan, c.id: least_parts(c.max_n)}.items()))
     return None
+
+
+def enable_blocks(space: Space, st: State, n: int, comp: int) -> tuple | None:
+    """The plan with every region of component ``comp`` that recomputes enabled
+    together at the largest n up to ``n``, best-scoring first where two clash;
+    None when that is fewer than two. Along the sequence these are each block's
+    attention forward (making its rows of the causal mask) and each block's
+    backward remaking its slices of the forward (Note [recomputed in parts] in
+    `analysis/ftrans.py`): one block alone frees one block's saved tensors,
+    which moves the peak little, so the queue, enabling one region a state,
+    did not reach them (zoo GPT at 2048 tokens: 151 MiB simulated, where all of
+    them at once make 31 MiB)."""
+    plan = dict(st.plan)
+    group = sorted((c for c in space.cands if c.recompute and c.comp == comp and not c.pack
+                    and c.id not in plan), key=lambda c: (-c.score, c.id))
+    added = 0
+    for c in group:
+        trial = {**plan, c.id: largest_parts(c.max_n, n)}
+        if not overlaps(space.cands, trial, c.id):
+            plan, added = trial, added + 1
+    return tuple(sorted(plan.items())) if added >= 2 else None
+
