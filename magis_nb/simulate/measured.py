@@ -1,5 +1,19 @@
 """MeasuredCost: each distinct op signature timed once on the real device, cached
-on disk (keyed by torch version, device and CPU/threads)."""
+on disk (keyed by torch version, device and CPU/threads).
+
+Note [timings taken on a busy CPU]
+A timing is kept on disk for every later search on this machine, so one taken
+while another process shares the cores lies for good: with two cores and two
+torch threads each, OpenMP's barriers make a [4,128,32] x [4,32,2048] bmm take
+9.2 ms instead of 0.42, and that one entry priced the zoo GPT's every-block plan
+at 2048 tokens x1.86 of eager where it measures x0.8 (its 192 bmms: 1.8 s of a
+2.3 s step). Two guards: an op's time is the least of its repetitions (the one
+least disturbed), and on the CPU a canary (a small matmul at the same thread
+count, its best time kept in the cache file) is timed before and after each op:
+when it ran more than `BUSY` times its best, the machine was busy, and the
+op's time serves this instance only and is not saved (the next search times
+it again).
+"""
 from __future__ import annotations
 
 import json
@@ -55,6 +69,10 @@ def _profile_for_gpu(name: str) -> str:
     return "a100"
 
 
+BUSY = 3.0         # canary slower than this many times its best: the CPU was shared
+CANARY_N = 96      # the canary: a CANARY_N^2 fp32 matmul (tens of microseconds)
+
+
 class MeasuredCost:
     """Each distinct op signature timed once on the real device, cached on disk.
 
@@ -97,6 +115,9 @@ class MeasuredCost:
             raise ValueError(f"MeasuredCost: unsupported device {device!r}")
         self.path = _cache_dir(cache_dir) / f"costs-{_slug(torch.__version__)}-{_slug(tag)}.json"
         self.table: dict[str, float | None] = self._load()
+        self.unsaved: set[str] = set()     # timed on a busy CPU (Note [timings taken on a busy CPU])
+        self.canary_best: float | None = self._load_canary()
+        self._canary_args = None
         self.timed = 0
         self._host_bw: float | None = None
 
@@ -122,15 +143,47 @@ class MeasuredCost:
         except (OSError, ValueError):
             return {}
 
+    def _load_canary(self) -> float | None:
+        try:
+            with open(self.path) as f:
+                got = json.load(f).get("canary")
+            return float(got) if got else None
+        except (OSError, ValueError, TypeError, AttributeError):
+            return None
+
     def save(self) -> None:
-        """Merge this instance's table into the file (atomic replace)."""
+        """Merge this instance's table into the file (atomic replace), leaving out
+        the timings taken on a busy CPU."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         merged = self._load()
-        merged.update(self.table)
+        merged.update((k, v) for k, v in self.table.items() if k not in self.unsaved)
+        best = min(x for x in (self._load_canary(), self.canary_best, float("inf")) if x)
+        data = {"ops": dict(sorted(merged.items()))}
+        if math.isfinite(best):
+            data["canary"] = best
         tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
         with open(tmp, "w") as f:
-            json.dump({"ops": dict(sorted(merged.items()))}, f, indent=0)
+            json.dump(data, f, indent=0)
         os.replace(tmp, self.path)
+
+    # -- a busy CPU ----------------------------------------------------------
+    def _canary(self) -> float:
+        """Seconds of the canary matmul (least of three)."""
+        import torch
+
+        if self._canary_args is None:
+            g = torch.Generator().manual_seed(0)
+            self._canary_args = (torch.randn(CANARY_N, CANARY_N, generator=g),
+                                 torch.randn(CANARY_N, CANARY_N, generator=g))
+        a, b = self._canary_args
+        return min(call_seconds(torch.mm, (a, b)) for _ in range(3))
+
+    def _busy(self) -> bool:
+        """Whether the canary ran more than BUSY times its best (which it updates)."""
+        c = self._canary()
+        best = self.canary_best
+        self.canary_best = c if best is None else min(best, c)
+        return best is not None and c > BUSY * best
 
     # -- signature -----------------------------------------------------------
     @staticmethod
@@ -211,7 +264,8 @@ class MeasuredCost:
         return sub(tuple(n.args)), sub(dict(n.kwargs))
 
     def _time_op(self, graph: Graph, n: Node) -> float | None:
-        """Median seconds of ``reps`` runs after one warm-up; None if it cannot run."""
+        """Least seconds of ``reps`` runs after one warm-up; None if it cannot run
+        (Note [timings taken on a busy CPU])."""
         import torch
 
         if not isinstance(n.op, torch._ops.OpOverload):
@@ -231,7 +285,16 @@ class MeasuredCost:
             except Exception:                  # noqa: BLE001 -- any failure: fall back
                 return None
         self.timed += 1
-        return statistics.median(ts)
+        return min(ts)
+
+    def _timed(self, key: str, graph: Graph, n: Node) -> float | None:
+        """``n`` timed into the table; on a CPU found busy, not to be saved."""
+        busy = not self.cuda and self._busy()
+        t = self._time_op(graph, n)
+        if not self.cuda and (self._busy() or busy):
+            self.unsaved.add(key)
+        self.table[key] = t
+        return t
 
     def measure(self, graph: Graph, nodes: Sequence[int] | None = None) -> int:
         """Time every not-yet-cached op of ``graph``, then save once; returns how many."""
@@ -241,7 +304,7 @@ class MeasuredCost:
             n = graph.nodes[nid]
             key = self.signature(graph, n)
             if key not in self.table:
-                self.table[key] = self._time_op(graph, n)
+                self._timed(key, graph, n)
                 new = True
         if new:
             self.save()
@@ -253,7 +316,7 @@ class MeasuredCost:
             return 0.0
         key = self.signature(graph, n)
         if key not in self.table:
-            self.table[key] = self._time_op(graph, n)
+            self._timed(key, graph, n)
             self.save()
         t = self.table[key]
         return float(t) if t is not None else self.fallback.op_cost(graph, n)
