@@ -150,3 +150,18 @@ def test_a_dp_over_its_work_keeps_the_better_of_hint_and_greedy(monkeypatch):
     greedy = dp.greedy_order(p)
     assert not r.exact
     assert r.peak == min(p.peak_of(hint)[0], p.peak_of(greedy)[0]) == p.peak_of(r.order)[0]
+
+
+def test_greedy_order_is_the_width_one_search():
+    """`greedy_order` counts readers down instead of testing bitmasks: the same
+    order as `_search` at width 1 (ties to the lowest op), on random training
+    graphs of every kind in the generator and a transformer-like one."""
+    from magis_nb.schedule import dp
+    from magis_nb.schedule.random_graphs import random_graph
+
+    graphs = [random_graph(seed) for seed in range(12)] + [transformer_like(6)]
+    for g in graphs:
+        p = block_problems(g, [0] * g.n, {0: list(range(g.n))}, 1)[0]
+        fast = dp.greedy_order(p)
+        assert fast == dp._search(p, width=1, bound=None)[0]
+        assert sorted(fast) == list(range(g.n))

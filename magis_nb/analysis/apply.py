@@ -326,6 +326,7 @@ class _Expansion:
         # op -> (input dims cut, part shapes, chunked args, kwargs): `split_op`
         self.per_op: dict[int, tuple] = {}
         self.layouts = PartLayouts(b, self.g)
+        self.view_ok: dict[int, bool] = {}     # view op -> its parts' inputs allow it
 
     def key(self, phase: int, k: int) -> tuple:
         """The sort key of the next node: phase 0 before the parts, 1 in part k, 2 after."""
@@ -477,8 +478,12 @@ class _Expansion:
         args = map_refs(tuple(args), sub, counter)
         kwargs = map_refs(dict(kwargs), sub, counter)
         args, kwargs = self.causal_mask(node, args, kwargs, k)
-        if node.target in RESHAPES and not self.layouts.viewable(node, args, kwargs):
-            args = (self.viewable_copy(args[0], k),) + tuple(args[1:])
+        if node.target in RESHAPES:
+            # every part's input has the same strides: asked once, in part 0
+            if v not in self.view_ok:
+                self.view_ok[v] = self.layouts.viewable(node, args, kwargs)
+            if not self.view_ok[v]:
+                args = (self.viewable_copy(args[0], k),) + tuple(args[1:])
         outs = []
         for i, t in enumerate(node.outputs):
             if t is None:
