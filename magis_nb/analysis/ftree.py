@@ -202,7 +202,17 @@ def _segments(dg: DGraph, comp: int, nodes) -> list[set[int]]:
     # in the earliest segment, the transpose of the saved probabilities before
     # dV's matmul in a block's attention backward was left out of that block's
     # segment, and its read kept the forward's [T, T] probabilities whole.
-    waiting: set[int] = set()           # sources no reader has placed yet
+    # Likewise an op the backward runs on saved tensors alone (SiLU's derivative,
+    # sigmoid(x) * (1 + x * (1 - sigmoid(x))), from the saved gate output): put
+    # with the forward it reads, the forward region made it whole for the
+    # backward (a [T, ffn] tensor a block in the Llama-style model) and a
+    # region of its own split it; it waits for its reader in the backward.
+    waiting: set[int] = set()           # ops no reader has placed yet
+    # (in program order, ids: the backward starts at the first gradient op made
+    # from something, the loss's seed gradient being a source)
+    backward = min((n.id for n in g.nodes
+                    if n.kind == "op" and n.category == "gradient" and g.preds(n.id)),
+                   default=len(g.nodes))
     for v in sorted(range(len(g.nodes)), key=pos.__getitem__):
         lo = max((depth[p] for p in g.preds(v)), default=0)
         if v not in inside:
@@ -210,8 +220,10 @@ def _segments(dg: DGraph, comp: int, nodes) -> list[set[int]]:
             continue
         refs = list(g.nodes[v].refs())
         axes = [c.axis_of[v]] if v in c.axis_of else c.choices[v]
-        if not any(p in inside for p in g.preds(v)) and g.succs(v) \
-                and all(w in inside for w in g.succs(v)):
+        source = not any(p in inside for p in g.preds(v))
+        saved_only = v > backward and g.nodes[v].category != "gradient" \
+            and not any(g.nodes[p].category == "gradient" for p in g.preds(v))
+        if (source or saved_only) and g.succs(v) and all(w in inside for w in g.succs(v)):
             waiting.add(v)
             depth[v] = lo
             continue
@@ -234,20 +246,24 @@ def _segments(dg: DGraph, comp: int, nodes) -> list[set[int]]:
         s, a = placed
         segs[s].add(v)
         seg_of[v], chosen[v], depth[v] = s, a, max(lo, s)
-        sliced = dict(dg.dims[v].axes[a].inputs)
-        for k, r in enumerate(refs):
-            u = r.node
-            if u not in waiting:
-                continue
-            w_axes = [c.axis_of[u]] if u in c.axis_of else c.choices[u]
-            fit = next((b for b in w_axes if k in sliced
-                        and (r.out, sliced[k]) in dg.dims[u].axes[b].outputs), None)
-            # only its first reader places it: one placed before it would read
-            # from a later segment
-            waiting.discard(u)
-            if fit is not None:
-                segs[s].add(u)
-                seg_of[u], chosen[u], depth[u] = s, fit, s
+        todo = [(v, a)]
+        while todo:             # the waiting ops it reads, and those they read
+            w, b = todo.pop()
+            sliced = dict(dg.dims[w].axes[b].inputs)
+            for k, r in enumerate(g.nodes[w].refs()):
+                u = r.node
+                if u not in waiting:
+                    continue
+                w_axes = [c.axis_of[u]] if u in c.axis_of else c.choices[u]
+                fit = next((x for x in w_axes if k in sliced
+                            and (r.out, sliced[k]) in dg.dims[u].axes[x].outputs), None)
+                # only its first reader places it: one placed before it would read
+                # from a later segment
+                waiting.discard(u)
+                if fit is not None:
+                    segs[s].add(u)
+                    seg_of[u], chosen[u], depth[u] = s, fit, s
+                    todo.append((u, fit))
     # no reader took it (they read it whole, like attention's k and v): it is
     # left out of every segment, and its readers read it as a region input
     out = []
