@@ -249,3 +249,31 @@ def test_every_block_at_once_keeps_no_whole_scores():
               if t is not None and t.alias is None and list(t.shape[-2:]) == [seq, seq]]
     assert len(before) >= 4 * 4     # scores, mask, probabilities, their gradient per block
 
+
+
+def test_the_backward_of_silu_goes_with_the_backward():
+    """SwiGLU's backward computes SiLU's derivative from the saved gate output
+    alone (sigmoid, 1 - sigmoid, ...). Those ops wait for their reader in the
+    backward (`ftree._segments`): each block's backward region holds them with
+    the gradient they scale, and no region holds them with a forward attention
+    (where they made a [T, ffn] tensor whole for the backward). The every-block
+    plan then stays exact and keeps no [T, ffn] activation whole."""
+    from magis_nb.analysis.ftree import forward_ops
+
+    case, prog, dg, cands, plan = _every_block("llama", 128, 4)
+    g = prog.graph
+    fwd = forward_ops(g)
+    backward = min(n.id for n in g.nodes
+                   if n.kind == "op" and n.category == "gradient" and g.preds(n.id))
+    sig = {n.id for n in g.ops if n.target == "aten.sigmoid.default" and n.id > backward}
+    assert len(sig) == 4                      # one per block
+    holding = [cands[c] for c in plan if cands[c].ops & sig]
+    assert len(holding) == 4
+    for c in holding:
+        assert not c.ops & fwd
+        assert any(g.nodes[v].category == "gradient" for v in c.ops)
+    split = prog.with_graph(apply_fission(dg, [cands[c].ftrans(k) for c, k in plan.items()]))
+    ffn = case.model.blocks[0].mlp.gate.out_features
+    whole = [n.name for n in split.graph.ops for t in n.outputs if t is not None
+             and t.alias is None and n.category == "activation" and tuple(t.shape[-2:]) == (128, ffn)]
+    assert not whole, whole
