@@ -14,8 +14,8 @@ inputs, plus the step's profiled peak); times are medians of steps interleaved
 with eager's at the same length. allclose: loss and every gradient against eager.
 
 JSON rows: model, seq, eager_peak_at_L, plan_peak, lat_ratio (plan vs eager at
-the same length), peer_best_peak (the lowest peak of any peer at that length),
-allclose, and the details (eager's own peak there, the plan's simulated peak,
+the same length; lat_ratio_q its quartiles over the timed pairs), peer_best_peak
+(the lowest peak of any peer at that length), allclose, and the details (eager's own peak there, the plan's simulated peak,
 whether the search met the budget, what the plan applied, each peer's peak and
 time ratio).
 """
@@ -103,6 +103,9 @@ def run(models, base: int, mults, batch: int, time_budget: float, peers, reps: i
             rows.append({
                 "model": name, "seq": base * m, "batch": batch, "eager_peak_at_L": eager_L,
                 "eager_peak": e.peak, "plan_peak": p.peak, "lat_ratio": p.time_ratio,
+                # the spread of the per-pair ratios: at 2048 tokens one plan's
+                # median moved between x0.59 and x1.38 from run to run here
+                "lat_ratio_q": p.time_ratio_q,
                 "peer_best_peak": min(ok) if ok else None, "allclose": p.allclose,
                 "plan_error": p.error, "budget_sim": budget, **info, "peers": peer_rows})
             del res
@@ -124,20 +127,23 @@ def main(argv) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--time", type=float, default=60.0, help="search seconds per length")
     p.add_argument("--peers", default="checkpoint,compile")
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=7, help="timed pairs (plan, eager) per row")
     a = p.parse_args(argv)
     fixed_threads()
     rows = run(a.models.split(","), a.seq, [int(x) for x in a.mults.split(",")], a.batch,
                a.time, [x for x in a.peers.split(",") if x], a.reps)
     show = [dict(r, L=_mib(r["eager_peak_at_L"]), eg=_mib(r["eager_peak"]), pl=_mib(r["plan_peak"]),
+                 q="-" if not r.get("lat_ratio_q") else "{:.2f}-{:.2f}".format(*r["lat_ratio_q"]),
                  pb=_mib(r["peer_best_peak"]), under="yes" if r["plan_peak"] and r["eager_peak_at_L"]
                  and r["plan_peak"] <= r["eager_peak_at_L"] else "no") for r in rows]
     print(table(show, [("model", "model"), ("seq", "seq"), ("L", "eager@L MiB"),
                        ("eg", "eager MiB"), ("pl", "plan MiB"), ("under", "<= eager@L"),
-                       ("lat_ratio", "plan/eager time"), ("pb", "best peer MiB"),
+                       ("lat_ratio", "plan/eager time"), ("q", "quartiles"),
+                       ("pb", "best peer MiB"),
                        ("allclose", "allclose"), ("applied", "applied")]))
     print("peaks: process memory (weights and inputs + the step's profiled peak); "
-          "times: plan vs eager at the same length, interleaved")
+          "times: plan vs eager at the same length, interleaved (median and quartiles "
+          "of the per-pair ratios)")
     write_json(a.json, rows)
     return 0 if all(r["allclose"] for r in rows) else 1
 
