@@ -410,12 +410,17 @@ class _Expansion:
         if src is None or all(s == 1 for s in src.shape[:node.args[1]]):
             narrows[(pr, "dense")] = pr     # a narrow of the outermost dim is contiguous
             return pr
-        t = node.outputs[0]
+        narrows[(pr, "dense")] = self.copy(pr, k, "_d")
+        return narrows[(pr, "dense")]
+
+    def copy(self, pr: Ref, k: int, suffix: str) -> Ref:
+        """A contiguous copy of part k's ``pr``, named after its producer."""
+        src = self.b.nodes[pr.node]
+        t = src.outputs[pr.out]
         cp = self.b.op("aten.clone.default", aten.clone.default, [pr],
                        {"memory_format": torch.contiguous_format},
-                       [tensor_info(t.shape, t)], self.key(1, k), f"{node.name}_d", node.category,
+                       [tensor_info(t.shape, t)], self.key(1, k), f"{src.name}{suffix}", src.category,
                        Region(self.rid, k, self.n, 0))
-        narrows[(pr, "dense")] = Ref(cp, 0)
         return Ref(cp, 0)
 
     def _blocked(self, src: Ref, t: TensorInfo, d: tuple, k: int, name: str, cat: str):
@@ -482,8 +487,8 @@ class _Expansion:
             # every part's input has the same strides: asked once, in part 0
             if v not in self.view_ok:
                 self.view_ok[v] = self.layouts.viewable(node, args, kwargs)
-            if not self.view_ok[v]:
-                args = (self.viewable_copy(args[0], k),) + tuple(args[1:])
+            if not self.view_ok[v]:     # Note [views of parts] in part_layout.py
+                args = (self.copy(args[0], k, "_vc"),) + tuple(args[1:])
         outs = []
         for i, t in enumerate(node.outputs):
             if t is None:
@@ -499,17 +504,6 @@ class _Expansion:
         self.layouts.origin[nid] = v
         for i in range(len(node.outputs)):
             part[Ref(v, i)] = Ref(nid, i)
-
-    def viewable_copy(self, pr: Ref, k: int) -> Ref:
-        """A contiguous copy of part ``pr`` for a view its layout does not allow
-        (Note [views of parts] in part_layout.py)."""
-        src = self.b.nodes[pr.node]
-        t = src.outputs[pr.out]
-        cp = self.b.op("aten.clone.default", aten.clone.default, [pr],
-                       {"memory_format": torch.contiguous_format},
-                       [tensor_info(t.shape, t)], self.key(1, k), f"{src.name}_vc", src.category,
-                       Region(self.rid, k, self.n, 0))
-        return Ref(cp, 0)
 
     def causal_mask(self, node: Node, args, kwargs, k: int):
         """A rule's `CausalPart` placeholder becomes part k's own causal mask op

@@ -30,7 +30,7 @@ def _dense_like(shape: tuple, like: TensorInfo) -> tuple[int, ...]:
     """Dense strides for ``shape`` with the dims in the order ``like``'s strides
     give them (outermost first; contiguous order where ``like``'s are unknown)."""
     st = like.stride
-    if st is None or len(st) != len(shape) or tuple(like.shape) == ():
+    if st is None or len(st) != len(shape):
         return tuple(contiguous(shape))
     order = sorted(range(len(shape)), key=lambda d: (-st[d], d))
     out, acc = [0] * len(shape), 1
@@ -46,7 +46,7 @@ class PartLayouts:
     def __init__(self, b: ProtoBuilder, g: Graph):
         self.b, self.g = b, g
         self.origin: dict[int, int] = {}     # proto id -> the original op it is a part of
-        self.metas: dict[Ref, torch.Tensor] = {}
+        self.metas: dict[tuple, torch.Tensor] = {}   # (ref type, node, out) -> meta
 
     def meta(self, r: Ref) -> torch.Tensor:
         """A meta tensor with ``r``'s shape, dtype and (expected) strides."""
@@ -73,11 +73,15 @@ class PartLayouts:
         self.metas[key] = m
         return m
 
+    def _replay(self, node: Node, args, kwargs):
+        """``node``'s op run on meta tensors standing for ``args``' refs."""
+        meta = lambda r, _k: self.meta(r)  # noqa: E731
+        return node.op(*map_refs(args, meta), **map_refs(kwargs, meta))
+
     def _view(self, node: Node, out: int) -> torch.Tensor | None:
         """A view op replayed on meta tensors; None where it cannot be."""
         try:
-            got = node.op(*map_refs(node.args, lambda r, _k: self.meta(r)),
-                          **map_refs(node.kwargs, lambda r, _k: self.meta(r)))
+            got = self._replay(node, node.args, node.kwargs)
         except Exception:  # noqa: BLE001 - unknown layout: taken as dense below
             return None
         got = got[out] if isinstance(got, (tuple, list)) else got
@@ -86,8 +90,7 @@ class PartLayouts:
     def viewable(self, node: Node, args, kwargs) -> bool:
         """Whether reshaping op ``node`` (`RESHAPES`) is valid on these part args."""
         try:
-            node.op(*map_refs(args, lambda r, _k: self.meta(r)),
-                    **map_refs(kwargs, lambda r, _k: self.meta(r)))
+            self._replay(node, args, kwargs)
         except RuntimeError:
             return False
         return True

@@ -15,9 +15,9 @@ with eager's at the same length. allclose: loss and every gradient against eager
 
 JSON rows: model, seq, eager_peak_at_L, plan_peak, lat_ratio (plan vs eager at
 the same length; lat_ratio_q its quartiles over the timed pairs), peer_best_peak
-(the lowest peak of any peer at that length), allclose, and the details (eager's own peak there, the plan's simulated peak,
-whether the search met the budget, what the plan applied, each peer's peak and
-time ratio).
+(the lowest peak of any peer at that length), allclose, and the details (eager's
+own peak there, the plan's simulated peak, whether the search met the budget,
+what the plan applied, each peer's peak and time ratio).
 """
 from __future__ import annotations
 

@@ -73,6 +73,15 @@ BUSY = 3.0         # canary slower than this many times its best: the CPU was sh
 CANARY_N = 96      # the canary: a CANARY_N^2 fp32 matmul (tens of microseconds)
 
 
+def _canary_of(data: dict) -> float | None:
+    """The best canary time a cache file holds (None without one)."""
+    try:
+        got = data.get("canary")
+        return float(got) if got else None
+    except (TypeError, ValueError):
+        return None
+
+
 class MeasuredCost:
     """Each distinct op signature timed once on the real device, cached on disk.
 
@@ -114,9 +123,10 @@ class MeasuredCost:
         else:
             raise ValueError(f"MeasuredCost: unsupported device {device!r}")
         self.path = _cache_dir(cache_dir) / f"costs-{_slug(torch.__version__)}-{_slug(tag)}.json"
-        self.table: dict[str, float | None] = self._load()
+        data = self._read()
+        self.table: dict[str, float | None] = dict(data.get("ops", {}))
         self.unsaved: set[str] = set()     # timed on a busy CPU (Note [timings taken on a busy CPU])
-        self.canary_best: float | None = self._load_canary()
+        self.canary_best: float | None = _canary_of(data)
         self._canary_args = None
         self.timed = 0
         self._host_bw: float | None = None
@@ -135,29 +145,23 @@ class MeasuredCost:
         return self.cuda
 
     # -- cache ---------------------------------------------------------------
-    def _load(self) -> dict:
+    def _read(self) -> dict:
+        """The cache file's contents ({} when missing or unreadable)."""
         try:
             with open(self.path) as f:
                 data = json.load(f)
-            return dict(data.get("ops", {}))
+            return data if isinstance(data, dict) else {}
         except (OSError, ValueError):
             return {}
-
-    def _load_canary(self) -> float | None:
-        try:
-            with open(self.path) as f:
-                got = json.load(f).get("canary")
-            return float(got) if got else None
-        except (OSError, ValueError, TypeError, AttributeError):
-            return None
 
     def save(self) -> None:
         """Merge this instance's table into the file (atomic replace), leaving out
         the timings taken on a busy CPU."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        merged = self._load()
+        on_disk = self._read()
+        merged = dict(on_disk.get("ops", {}))
         merged.update((k, v) for k, v in self.table.items() if k not in self.unsaved)
-        best = min(x for x in (self._load_canary(), self.canary_best, float("inf")) if x)
+        best = min(x for x in (_canary_of(on_disk), self.canary_best, float("inf")) if x)
         data = {"ops": dict(sorted(merged.items()))}
         if math.isfinite(best):
             data["canary"] = best
