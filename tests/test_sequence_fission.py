@@ -277,3 +277,34 @@ def test_the_backward_of_silu_goes_with_the_backward():
     whole = [n.name for n in split.graph.ops for t in n.outputs if t is not None
              and t.alias is None and n.category == "activation" and tuple(t.shape[-2:]) == (128, ffn)]
     assert not whole, whole
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_a_block_backward_remakes_k_and_v_whole(name):
+    """Note [recomputed whole before the parts] (analysis/prologue.py): each
+    block's backward region recomputes its k and v projections whole before its
+    query parts (they read every key), so no block keeps k and v from the
+    forward. Exact, measured = simulated, and below the same plan with each
+    block's k and v kept (the regions without their prologue)."""
+    import dataclasses
+
+    case, prog, dg, cands, plan = _every_block(name, 512, 8)   # below that the loss head is the peak
+    g = prog.graph
+    weights = {n.id for n in g.nodes if n.kind == "input" and n.category == "weight"}
+    with_pro = [c for c in plan if cands[c].prologue]
+    assert len(with_pro) == 4                  # one per block
+    for c in with_pro:
+        pro = cands[c].prologue
+        assert not pro & cands[c].ops
+        # the k and v projections: matmuls of the block's normed input by a weight
+        mms = [v for v in pro if g.nodes[v].target == "aten.mm.default"
+               and any(g.storage_of(r).node in weights for r in g.nodes[v].refs())]
+        assert len(mms) == 2, [g.nodes[v].name for v in pro]
+    ref = Reference(case.model, case.inputs, None, "train", 0)
+    split = prog.with_graph(apply_fission(dg, [cands[c].ftrans(k) for c, k in plan.items()]))
+    assert sum("_rw" in n.name for n in split.graph.ops) >= 4 * 2
+    chk = exact(split, ref)
+    kept = prog.with_graph(apply_fission(dg, [dataclasses.replace(
+        cands[c].ftrans(k), prologue=frozenset()) for c, k in plan.items()]))
+    assert not any("_rw" in n.name for n in kept.graph.ops)
+    assert chk.measured_peak < exact(kept, ref).measured_peak

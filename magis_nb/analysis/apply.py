@@ -111,8 +111,9 @@ def _recomputed_only(g: Graph, regions: list[FTrans], owner) -> set[int]:
     region reading them recomputes them, and every unsplit reader is one of
     them too. Their originals would make whole tensors nobody reads (the zoo
     GPT's causal mask, [T, T] int64 at 8L: every block's attention forward and
-    backward remake their rows of it)."""
-    rec_any = set().union(*(f.recompute for f in regions))
+    backward remake their rows of it; the backward's transpose of a block's k,
+    which its prologue remakes)."""
+    rec_any = set().union(*(f.recompute | f.prologue for f in regions))
     if not rec_any:
         return set()
     returned = {r.node for r in g.outputs}
@@ -138,7 +139,9 @@ def _read_whole(g: Graph, v: int, regions: list[FTrans], owner, dead, mine: int 
         if w not in owner and w not in dead:
             return True                 # an unsplit op, or a recomputed op's original
         for k, f in enumerate(regions):
-            if k != mine and (w in f.ops or w in f.recompute) \
+            if k == mine or v in f.prologue and w not in f.prologue:
+                continue                # its parts read the prologue's copy
+            if w in f.prologue or (w in f.ops or w in f.recompute) \
                     and v not in f.recompute and v not in f.ops:
                 return True
     return False
@@ -171,12 +174,13 @@ def _owners(dg: DGraph, regions: list[FTrans]) -> dict[int, int]:
             owner[v] = i
     g = dg.graph
     for i, f in enumerate(regions):
-        hit = {owner[v] for v in f.recompute if v in owner}
+        remade = f.recompute | f.prologue
+        hit = {owner[v] for v in remade if v in owner}
         if hit:
-            reads = recompute_reads(g, f.recompute)
+            reads = recompute_reads(g, f.recompute) | recompute_reads(g, f.prologue)
             for j in hit:
                 ops = regions[j].ops
-                if j == i or not recompute_fits(reads, f.recompute, ops,
+                if j == i or not recompute_fits(reads, remade, ops,
                                                 frozenset(region_outputs(g, ops))):
                     raise ValueError(f"fission region {i} recomputes an op region {j} "
                                      "splits, from tensors inside that region")
@@ -269,6 +273,7 @@ def _expand_region(b: ProtoBuilder, dg: DGraph, f: FTrans, rid: int, plan, joine
         x.pack()
         if packs is not None:
             packs.extend((x.g.storage_of(r).node, m.packed.node) for r, m in x.packed.items())
+    x.prologue()
     prev_last: int | None = None
     for k in range(x.n):
         first = len(b.nodes)
@@ -327,6 +332,7 @@ class _Expansion:
         self.per_op: dict[int, tuple] = {}
         self.layouts = PartLayouts(b, self.g)
         self.view_ok: dict[int, bool] = {}     # view op -> its parts' inputs allow it
+        self.whole: dict[Ref, Ref] = {}        # a prologue op's output -> its copy's
 
     def key(self, phase: int, k: int) -> tuple:
         """The sort key of the next node: phase 0 before the parts, 1 in part k, 2 after."""
@@ -370,6 +376,27 @@ class _Expansion:
                             [tensor_info(t.shape, t, alias=Ref(e, 0), stride=st)], self.key(0, 0),
                             nm + "_acc0", cat)
 
+    def prologue(self) -> None:
+        """The region's prologue, run whole before part 0 (Note [recomputed
+        whole before the parts] in prologue.py): a copy of each op reading the
+        copies of the ones before it and the originals of the rest."""
+        for v in sorted(self.f.prologue):
+            node = self.g.nodes[v]
+
+            def fix(r: Ref, _k=None) -> Ref:
+                r = Ref(r.node, r.out)
+                return self.whole.get(r) or External(r.node, r.out)
+
+            outs = [None if t is None else dataclasses.replace(
+                t, alias=None if t.alias is None else fix(t.alias)) for t in node.outputs]
+            nid = self.b.op(node.target, node.op, map_refs(node.args, fix),
+                            map_refs(node.kwargs, fix), outs, self.key(0, 0), f"{node.name}_rw",
+                            node.category)
+            self.b.nodes[nid].multi = node.multi
+            self.layouts.origin[nid] = v
+            for i in range(len(node.outputs)):
+                self.whole[Ref(v, i)] = Ref(nid, i)
+
     def pack(self) -> None:
         """Pack the masks the parts read (Note [packed masks]), before part 0."""
         self.packed = pack_masks(self.b, self.g, self.f, self.dg, self.rid, self.key(0, 0))
@@ -381,7 +408,7 @@ class _Expansion:
         if (r, d) not in narrows:
             t = self.g.tensor(r)
             node = self.g.nodes[r.node]
-            src = External(r.node, r.out)
+            src = self.whole.get(Ref(r.node, r.out)) or External(r.node, r.out)
             if isinstance(d, tuple):
                 narrows[(r, d)] = self._blocked_slice(src, t, d, k, node)
             else:
@@ -405,8 +432,9 @@ class _Expansion:
         if node.target != "aten.narrow.default" or not isinstance(node.region, Region) \
                 or not node.region.chunk:
             return pr
-        src = self.g.tensor(Ref(node.args[0].node, node.args[0].out)) \
-            if isinstance(node.args[0], External) else None
+        a0 = node.args[0]
+        src = self.g.tensor(Ref(a0.node, a0.out)) if isinstance(a0, External) \
+            else self.b.nodes[a0.node].outputs[a0.out]      # a prologue's copy
         if src is None or all(s == 1 for s in src.shape[:node.args[1]]):
             narrows[(pr, "dense")] = pr     # a narrow of the outermost dim is contiguous
             return pr
@@ -477,7 +505,7 @@ class _Expansion:
             if idx in cut:
                 got = self.sliced(r, cut[idx], k, narrows)
                 return self.dense(got, cut[idx], k, narrows) if idx in need else got
-            return External(r.node, r.out)
+            return self.whole.get(Ref(r.node, r.out)) or External(r.node, r.out)
 
         counter = [0]   # map_refs numbers the refs of args and kwargs as one sequence
         args = map_refs(tuple(args), sub, counter)

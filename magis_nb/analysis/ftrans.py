@@ -58,6 +58,9 @@ class FTrans:
     recompute: frozenset[int] = frozenset()
     # image dims tiled with halos, n parts per dim (Note [tiles with halos] in spatial.py)
     tiles: tuple[int, ...] = ()
+    # forward ops run whole once before part 0 (Note [recomputed whole before
+    # the parts] in prologue.py)
+    prologue: frozenset[int] = frozenset()
 
     @cached_property
     def split_ops(self) -> frozenset[int]:

@@ -16,6 +16,7 @@ from .dgraph import DGraph
 from .ftrans import (FTrans, check, divisors, max_parts, recompute_fits, recompute_reads,
                      reentered, region_outputs, weak_pieces)
 from .masks import packable_masks
+from .prologue import prologue_set
 
 # Splitting into more parts than this only adds per-op overhead (and the split
 # program is built part by part): n is the largest divisor of the axis length <= it.
@@ -53,9 +54,17 @@ class Candidate:
     # Note [recomputing what another region splits] in ftrans.py
     reads: frozenset[Ref] = frozenset()
     outs: frozenset[Ref] = frozenset()
+    # run whole before part 0 (Note [recomputed whole before the parts] in prologue.py)
+    prologue: frozenset[int] = frozenset()
 
     def ftrans(self, n: int) -> FTrans:
-        return FTrans(self.ops, self.comp, n, self.pack, self.recompute, self.tiles)
+        return FTrans(self.ops, self.comp, n, self.pack, self.recompute, self.tiles,
+                      self.prologue)
+
+    @property
+    def remade(self) -> frozenset[int]:
+        """The forward ops it runs again, in parts or whole."""
+        return self.recompute | self.prologue
 
 
 def _dominated(g: Graph, nodes: list[int]) -> dict[int, set[int]]:
@@ -330,10 +339,10 @@ def build_ftree(dg: DGraph, hotspots: dict[Ref, int], *, levels: int = 4, n: int
         for v in nodes:
             if dom[v]:
                 score[v], heat[v] = scored(dom[v])
-        segs = []                       # (first op, ops, score, heat, recomputed)
+        segs = []                       # (first op, ops, score, heat, recomputed, prologue)
         if _conflicted(dg, comp.id, nodes):
             for seg in _segments(dg, comp.id, nodes):
-                segs.append((min(seg), frozenset(seg), *scored(seg), frozenset()))
+                segs.append((min(seg), frozenset(seg), *scored(seg), frozenset(), frozenset()))
             # the forward alone: the last block's attention, whose cut above runs
             # on into the loss's backward, as a region of its own; each part
             # makes its rows of the causal mask
@@ -342,24 +351,29 @@ def build_ftree(dg: DGraph, hotspots: dict[Ref, int], *, levels: int = 4, n: int
                 rec = side_recompute(dg, seg, comp.id, from_inputs)
                 if rec and check(dg, seg, comp.id, 1, rec) is not None:
                     rec = frozenset()
-                segs.append((min(seg), seg, *scored(seg), rec))
+                segs.append((min(seg), seg, *scored(seg), rec, frozenset()))
             # the backward alone, cut the same way, each segment remaking its slices
             # of the forward it reads (Note [recomputed in parts] in ftrans.py); a
             # segment the cut above also gave is offered again with them (a block's
             # attention backward: kept whole, the forward's [T, T] probabilities)
+            back = []
             for seg in _segments(dg, comp.id, [v for v in nodes if v not in fwd]):
                 seg = frozenset(seg)
                 if late is None:
                     late = late_readers(g, fwd)
                 rec = recompute_set(dg, seg, comp.id, fwd, late)
                 if rec and check(dg, seg, comp.id, 1, rec) is None:
-                    freed = sum(hot_by_op.get(w, 0) for w in rec)
-                    segs.append((min(seg), seg, (1 - 1 / n) * freed, freed, rec))
+                    back.append((seg, rec))
+            remade = frozenset().union(*(rec for _, rec in back))
+            for seg, rec in back:
+                pro = prologue_set(dg, seg, rec, comp.id, fwd, late, from_inputs, remade)
+                freed = sum(hot_by_op.get(w, 0) for w in rec | pro)
+                segs.append((min(seg), seg, (1 - 1 / n) * freed, freed, rec, pro))
         smax = max([*score.values(), *(x[2] for x in segs)], default=0)
         if smax <= 0:
             continue
 
-        def add(ops, v, lvl, sc, h, rec=frozenset()):
+        def add(ops, v, lvl, sc, h, rec=frozenset(), pro=frozenset()):
             ops = _without_saved_views(g, ops, fwd)
             if len(ops) < min_ops or (ops, comp.id, rec) in seen or check(dg, ops, comp.id, 1, rec):
                 return
@@ -367,8 +381,8 @@ def build_ftree(dg: DGraph, hotspots: dict[Ref, int], *, levels: int = 4, n: int
             if top > 1:
                 seen.add((ops, comp.id, rec))
                 cands.append(Candidate(len(cands), ops, comp.id, v, lvl, sc, h, top, recompute=rec,
-                                       reads=recompute_reads(g, rec),
-                                       outs=frozenset(region_outputs(g, ops))))
+                                       reads=recompute_reads(g, rec) | recompute_reads(g, pro),
+                                       outs=frozenset(region_outputs(g, ops)), prologue=pro))
 
         for lvl in range(1, levels + 1):
             band = {v for v, s in score.items()
@@ -377,9 +391,9 @@ def build_ftree(dg: DGraph, hotspots: dict[Ref, int], *, levels: int = 4, n: int
                 if dom[v] & band:
                     continue  # a descendant in the same band is chosen instead
                 add(frozenset(dom[v]), v, lvl, score[v], heat[v])
-        for v, ops, sc, h, rec in sorted(segs, key=lambda x: (x[0], len(x[4]))):
+        for v, ops, sc, h, rec, pro in sorted(segs, key=lambda x: (x[0], len(x[4]))):
             if sc > 0:
-                add(ops, v, max(1, min(levels, int(levels * sc / smax))), sc, h, rec)
+                add(ops, v, max(1, min(levels, int(levels * sc / smax))), sc, h, rec, pro)
     _link(cands)
     return cands
 
@@ -521,8 +535,8 @@ def overlaps(cands, plan, i) -> bool:
 
 
 def _clash(a: Candidate, b: Candidate) -> bool:
-    return bool(a.ops & b.ops) or not recompute_fits(a.reads, a.recompute, b.ops, b.outs) \
-        or not recompute_fits(b.reads, b.recompute, a.ops, a.outs)
+    return bool(a.ops & b.ops) or not recompute_fits(a.reads, a.remade, b.ops, b.outs) \
+        or not recompute_fits(b.reads, b.remade, a.ops, a.outs)
 
 
 def mutations(cands: list[Candidate], plan: dict[int, int]) -> list[tuple[str, dict[int, int]]]:
