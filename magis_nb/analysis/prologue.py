@@ -19,10 +19,11 @@ block's input) and nothing after the forward reads but the region, its
 recomputed ops or the prologue, or a backward region that recomputes it in
 parts (the norm feeding the k and v projections, which the block's
 projection backward remakes); the backward's views of saved tensors (the
-transposed k that dQ's matmul reads) are taken with them. An op the parts recompute in slices (the block's
-norm) that the prologue needs whole joins it too: its original dies in the
-forward. Ops computed from the data alone (a causal mask, rotary tables) are
-read as they are: recomputed whole they can be [T, T].
+transposed k that dQ's matmul reads) are taken with them. An op the parts
+recompute in slices (the block's norm) that the prologue needs whole joins it
+too: its original dies in the forward. Ops computed from the data alone (a
+causal mask, rotary tables) are read as they are: recomputed whole they can
+be [T, T].
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import heapq
 
 from ..ir.graph import Ref
 from ..ir.passes import writes_into_input
+from ..rules.remat import written_in_place
 from .dgraph import DGraph
 
 PROLOGUE_MAX = 64       # more ops than that is not the few a block's k and v take
@@ -62,6 +64,7 @@ def prologue_set(dg: DGraph, region: frozenset[int], rec: frozenset[int], cid: i
                 sliced.add(Ref(r.node, r.out))
             else:
                 heapq.heappush(heap, -r.node)
+    written = written_in_place(g)
     pro: set[int] = set()
     seen: set[int] = set()
     while heap:
@@ -71,8 +74,8 @@ def prologue_set(dg: DGraph, region: frozenset[int], rec: frozenset[int], cid: i
         seen.add(p)
         n = g.nodes[p]
         outs = [Ref(p, i) for i, t in enumerate(n.outputs) if t is not None]
-        if n.kind != "op" or from_inputs.get(p, False) or n.rng or writes_into_input(n) \
-                or not hasattr(n.op, "_schema") \
+        if n.kind != "op" or not outs or from_inputs.get(p, False) or n.rng \
+                or writes_into_input(n) or not hasattr(n.op, "_schema") \
                 or g.nodes[g.storage_of(outs[0]).node].kind == "input":
             continue            # (a view of a weight costs nothing to keep)
         if p not in fwd and not (all(g.tensor(r).alias is not None for r in outs)
@@ -82,9 +85,10 @@ def prologue_set(dg: DGraph, region: frozenset[int], rec: frozenset[int], cid: i
         if any(r in sliced for r in outs) or p not in rec | remade \
                 and any(not late.get(r, set()) <= split | pro for r in outs):
             continue            # kept whole for someone anyway: read as it is
-        pro.add(p)
-        if len(pro) > PROLOGUE_MAX:
+        if len(pro) >= PROLOGUE_MAX or any(g.storage_of(r) in written for r in n.refs()):
+            # (a copy run in the backward would read what a later write left)
             return frozenset()
+        pro.add(p)
         for r in n.refs():
             heapq.heappush(heap, -r.node)
     return frozenset(pro)

@@ -75,7 +75,8 @@ class _Builder:
             name = tiles_name(c.tiles, region_rank(sp.base, c.ops)) if c.tiles \
                 else sp.dg.components[c.comp].name
             regions.append(Region(name, n, len(c.ops),
-                                  sp.base.nodes[min(c.ops)].name, c.pack, len(c.recompute)))
+                                  sp.base.nodes[min(c.ops)].name, c.pack, len(c.recompute),
+                                  len(c.prologue)))
         remat = sorted(s.op for b in st.batches if b.kind == "remat" for s in b.specs)
         swaps = sorted(f"{s.producer}" + (f"[{s.out}]" if s.out else "")
                        for b in st.batches if b.kind == "swap" for s in b.specs)

@@ -28,11 +28,14 @@ class Region:
     first: str          # name of the region's first op (where it starts in the model)
     packed: bool = False  # its dropout masks packed 8 to a byte (Note [packed masks])
     recomputed: int = 0   # forward ops each part recomputes (Note [recomputed in parts])
+    # forward ops run whole before part 0 (Note [recomputed whole before the parts])
+    prologue: int = 0
 
     @property
     def label(self) -> str:
         return f"{self.dim}/{self.n}" + (" packed" if self.packed else "") \
-            + (f" recomputing {self.recomputed}" if self.recomputed else "")
+            + (f" recomputing {self.recomputed}" if self.recomputed else "") \
+            + (f" (+{self.prologue} whole)" if self.prologue else "")
 
 
 @dataclass
