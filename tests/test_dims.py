@@ -107,6 +107,7 @@ def check_axis(node: Node, tensors, full, od, a: int, n: int) -> None:
             s[dim_index(dims_out[i])] //= n
         part_shapes.append(tuple(s))
     args, kwargs = od.chunk_args(node, a, part_shapes)
+    cp = next((x for x in (*args, *kwargs.values()) if isinstance(x, CausalPart)), None)
     outs = []
     for k in range(n):
         ins = []
@@ -115,12 +116,19 @@ def check_axis(node: Node, tensors, full, od, a: int, n: int) -> None:
                 x = _part(x, dims_in[j], k, n)
                 if j in od.contiguous:     # as apply_fission hands it over
                     x = x.contiguous()
+            if cp is not None and j in cp.prefix:  # the keys its rows see
+                x = x.narrow(2, 0, cp.keys_of(k))
             ins.append(x)
         # a causal op split along its queries: part k's own mask rows (analysis/causal.py)
         a_k = tuple(x.make(ins[x.q], k) if isinstance(x, CausalPart) else x for x in args)
         kw_k = {nm: x.make(ins[x.q], k) if isinstance(x, CausalPart) else x
                 for nm, x in kwargs.items()}
-        outs.append(_call(node, ins, a_k, kw_k))
+        got = list(_call(node, ins, a_k, kw_k))
+        for i in (cp.prefix_outs if cp is not None else ()):    # gradients of those keys
+            full_i = torch.zeros(node.outputs[i].shape, dtype=got[i].dtype)
+            full_i.narrow(2, 0, got[i].shape[2]).copy_(got[i])
+            got[i] = full_i
+        outs.append(got)
     exact = node.target in UNDEFINED
     for i, f in enumerate(full):
         if node.outputs[i] is None or not isinstance(f, torch.Tensor):

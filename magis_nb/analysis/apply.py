@@ -333,6 +333,9 @@ class _Expansion:
         self.layouts = PartLayouts(b, self.g)
         self.view_ok: dict[int, bool] = {}     # view op -> its parts' inputs allow it
         self.whole: dict[Ref, Ref] = {}        # a prologue op's output -> its copy's
+        # a sum over the parts of the keys a causal part saw -> its rows per part
+        # (Note [the keys a causal part sees] in causal.py)
+        self.prefixed: dict[Ref, int] = {}
 
     def key(self, phase: int, k: int) -> tuple:
         """The sort key of the next node: phase 0 before the parts, 1 in part k, 2 after."""
@@ -511,6 +514,8 @@ class _Expansion:
         args = map_refs(tuple(args), sub, counter)
         kwargs = map_refs(dict(kwargs), sub, counter)
         args, kwargs = self.causal_mask(node, args, kwargs, k)
+        cp = next((a for a in (*self.per_op[v][2], *self.per_op[v][3].values())
+                   if isinstance(a, CausalPart)), None)
         if node.target in RESHAPES:
             # every part's input has the same strides: asked once, in part 0
             if v not in self.view_ok:
@@ -524,7 +529,11 @@ class _Expansion:
                 continue
             ai = alias_arg(node.op, i)
             src = args[ai] if ai is not None and ai < len(args) and isinstance(args[ai], Ref) else None
-            outs.append(tensor_info(shapes[i], t, alias=src))
+            shape = shapes[i]
+            if cp is not None and i in cp.prefix_outs:      # a gradient of the keys it saw
+                shape = shape[:2] + (cp.keys_of(k),) + tuple(shape[3:])
+                self.prefixed[Ref(v, i)] = cp.rows
+            outs.append(tensor_info(shape, t, alias=src))
         again = "_r" if v in self.f.recompute else ""
         nid = self.b.op(node.target, node.op, args, kwargs, outs, self.key(1, k),
                         f"{node.name}{again}_p{k}", node.category, Region(self.rid, k, self.n, 0))
@@ -543,15 +552,36 @@ class _Expansion:
         (at, cp), = where
         q = list(iter_refs((args, kwargs)))[cp.q]
         like = self.g.tensor(list(node.refs())[cp.q])
-        mid = self.b.op(CAUSAL_MASK_TARGET, CAUSAL_MASK, [q, k * cp.rows, cp.keys], {},
-                        [tensor_info((cp.rows, cp.keys), like)], self.key(1, k),
+        keys = cp.keys_of(k)
+        mid = self.b.op(CAUSAL_MASK_TARGET, CAUSAL_MASK, [q, k * cp.rows, keys], {},
+                        [tensor_info((cp.rows, keys), like)], self.key(1, k),
                         f"{node.name}_mask{k}", node.category,
-                        Region(self.rid, k, self.n, cp.rows))
+                        Region(self.rid, k, self.n, cp.rows, bool(cp.prefix)))
         if isinstance(at, int):
             args = args[:at] + (Ref(mid, 0),) + args[at + 1:]
         else:
             kwargs = {**kwargs, at: Ref(mid, 0)}
+        if cp.prefix:       # Note [the keys a causal part sees]
+            def first(r, i):
+                return self.prefix(r, keys, k, cp.rows, f"{node.name}_kv{i}") \
+                    if i in cp.prefix else r
+            counter = [0]
+            args = map_refs(tuple(args), first, counter)
+            kwargs = map_refs(dict(kwargs), first, counter)
         return args, kwargs
+
+    def prefix(self, r: Ref, keys: int, k: int, rows: int, name: str) -> Ref:
+        """The first ``keys`` rows (dim 2) of part k's ``r``: a view."""
+        t = self.g.tensor(Ref(r.node, r.out)) if isinstance(r, External) \
+            else self.b.nodes[r.node].outputs[r.out]
+        shape = list(t.shape)
+        shape[2] = keys
+        nid = self.b.op("aten.narrow.default", aten.narrow.default, [r, 2, 0, keys], {},
+                        [tensor_info(shape, t, alias=r)], self.key(1, k), f"{name}_{k}",
+                        self.b.nodes[r.node].category if not isinstance(r, External)
+                        else self.g.nodes[r.node].category,
+                        Region(self.rid, k, self.n, rows, True))
+        return Ref(nid, 0)
 
     def merge(self, r: Ref, k: int, pr: Ref) -> None:
         """Write part k's ``pr`` of output ``r`` into the full result."""
@@ -588,6 +618,12 @@ class _Expansion:
             mm.args = (a,) + tuple(mm.args)
             mm.outputs = [tensor_info(t.shape, t, alias=a)]
             return pr.node
+        if how == "sum" and r in self.prefixed:
+            # the keys a causal part saw: into the first rows of the sum (Note
+            # [the keys a causal part sees] in causal.py), the last part's all
+            # of them (a narrow too: every part runs the same code)
+            rows = self.prefixed[r]
+            a = self.prefix(a, (k + 1) * rows, k, rows, f"{nm}_pre")
         if how in ("sum", "mean"):
             return b.op("aten.add_.Tensor", aten.add_.Tensor, [a, pr], {},
                         [tensor_info(t.shape, t, alias=a)], self.key(1, k), f"{nm}_add{k}", cat, reg)

@@ -81,10 +81,12 @@ def _axes(ins, q_side, kv_side, mask, q_outs, kv_outs, mask_out=None, *,
 
 # -- CPU ------------------------------------------------------------------------
 
-def _causal_parts(b, ins, axes):
+def _causal_parts(b, ins, axes, kv_outs=()):
     """On the query axis of a causal op, each part takes its rows of the causal
-    mask (analysis/causal.py); a causal op with a mask of its own gets no
-    query axis (the kernels refuse both together anyway)."""
+    mask (analysis/causal.py), and with as many queries as keys only the keys
+    its rows see (Note [the keys a causal part sees]; ``kv_outs``: the
+    outputs shaped like key and value, their gradients). A causal op with a
+    mask of its own gets no query axis (the kernels refuse both together)."""
     causal = bool(b["is_causal"])
     if causal and b.t("attn_mask") is not None:
         return OpDims([a for a in axes if a.name != "query"])
@@ -92,12 +94,14 @@ def _causal_parts(b, ins, axes):
         return OpDims(axes)
     q = b.t("query")
     L, S = ins[q][2], ins[b.t("key")][2]
+    kv = (b.t("key"), b.t("value")) if L == S else ()
 
     def rw(node, axis, out_shapes):
         if axes[axis].name != "query":
             return tuple(node.args), dict(node.kwargs)
         n = L // (out_shapes[0][2] if out_shapes[0] else L)
-        return Bound(node).replace(is_causal=False, attn_mask=CausalPart(L // n, S, q))
+        part = CausalPart(L // n, S, q, kv, tuple(kv_outs) if kv else ())
+        return Bound(node).replace(is_causal=False, attn_mask=part)
     return OpDims(axes, rw)
 
 
@@ -120,7 +124,8 @@ def _sdpa_cpu_backward(node, b, ins, outs):
         return None
     q_side = [b.t(n) for n in ("query", "grad_out", "out", "logsumexp")]
     return _causal_parts(b, ins, _axes(ins, q_side, [b.t("key"), b.t("value")], b.t("attn_mask"),
-                                       [0], [1, 2], query=True, gqa=True, query_combine="sum"))
+                                       [0], [1, 2], query=True, gqa=True, query_combine="sum"),
+                         kv_outs=(1, 2))
 
 
 # -- CUDA: batch and heads only (see the module docstring) -------------------------

@@ -59,6 +59,9 @@ class Region(NamedTuple):
     part: int       # k: the part this op belongs to, 0 <= k < parts
     parts: int      # n: how many parts the region is split into
     chunk: int = 0  # a narrow taking part k's slice: the slice length; 0 for other ops
+    # the narrow takes the first (k + 1) * chunk instead: the keys a causal query
+    # part sees (Note [the keys a causal part sees] in analysis/causal.py)
+    prefix: bool = False
 
 
 @dataclass

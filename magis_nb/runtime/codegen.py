@@ -158,11 +158,12 @@ def _line(g: Graph, nid: int, loop_var: bool = False, swaps: _Swaps | None = Non
         k = bucket_nodes(g).index(nid)
         return f"{lhs} = _comm.bucket({k}, {_render(g, n.args[0])})  # {_shape_note(g, nid)}"
     call = _call(g, nid)
-    at = _part_offset(n)
-    if loop_var and at is not None:
+    at = _part_offsets(n)
+    if loop_var and at:
         # part k of a fission loop reads its slice (or its mask rows) at k * chunk
         args = [_render(g, a) for a in n.args]
-        args[at] = f"_k * {n.region.chunk}"
+        for i, expr in at.items():
+            args[i] = expr
         call = f"{call.split('(', 1)[0]}({', '.join(args)})"
     if not outs:
         return call
@@ -172,12 +173,23 @@ def _line(g: Graph, nid: int, loop_var: bool = False, swaps: _Swaps | None = Non
 # ops whose argument at this position is part k's offset, k * Region.chunk: a
 # fission part's narrow, and its causal mask (analysis/causal.py)
 _OFFSET_ARG = {"aten.narrow.default": 2, CAUSAL_MASK_TARGET: 1}
+# and whose argument at this position is a length (k + 1) * chunk with
+# `Region.prefix`: the keys a causal query part sees (Note [the keys a causal
+# part sees] in analysis/causal.py)
+_PREFIX_ARG = {"aten.narrow.default": 3, CAUSAL_MASK_TARGET: 2}
 
 
-def _part_offset(n) -> int | None:
-    if isinstance(n.region, Region) and n.region.chunk:
-        return _OFFSET_ARG.get(n.target)
-    return None
+def _part_offsets(n) -> dict[int, str]:
+    """The arguments of ``n`` that depend on the part, as loop expressions."""
+    reg = n.region
+    if not isinstance(reg, Region) or not reg.chunk or n.target not in _OFFSET_ARG:
+        return {}
+    if not reg.prefix:
+        return {_OFFSET_ARG[n.target]: f"_k * {reg.chunk}"}
+    out = {_PREFIX_ARG[n.target]: f"(_k + 1) * {reg.chunk}"}
+    if n.target == CAUSAL_MASK_TARGET:
+        out[_OFFSET_ARG[n.target]] = f"_k * {reg.chunk}"
+    return out
 
 
 def _loop_at(g: Graph, order: Sequence[int], i: int, sizes: dict[int, int]):
@@ -223,8 +235,7 @@ def _part_signature(g: Graph, part: Sequence[int]) -> list:
     for v in part:
         n = g.nodes[v]
         args = list(n.args)
-        at = _part_offset(n)
-        if at is not None:
+        for at in _part_offsets(n):
             args[at] = None
         sig.append((n.target, norm(tuple(args)), norm(n.kwargs)))
     return sig
