@@ -357,11 +357,13 @@ def build_ftree(dg: DGraph, hotspots: dict[Ref, int], *, levels: int = 4, n: int
             # segment the cut above also gave is offered again with them (a block's
             # attention backward: kept whole, the forward's [T, T] probabilities)
             back = []
-            for seg in _segments(dg, comp.id, [v for v in nodes if v not in fwd]):
-                seg = frozenset(seg)
+            bsegs = [frozenset(seg) for seg in _segments(dg, comp.id,
+                                                        [v for v in nodes if v not in fwd])]
+            bops = frozenset().union(*bsegs)
+            for seg in bsegs:
                 if late is None:
                     late = late_readers(g, fwd)
-                rec = recompute_set(dg, seg, comp.id, fwd, late)
+                rec = recompute_set(dg, seg, comp.id, fwd, late, bops)
                 if rec and check(dg, seg, comp.id, 1, rec) is None:
                     back.append((seg, rec))
             remade = frozenset().union(*(rec for _, rec in back))
@@ -446,14 +448,41 @@ def late_readers(g: Graph, fwd: set[int]) -> dict[Ref, set[int]]:
 
 
 def recompute_set(dg: DGraph, region: frozenset[int], cid: int, fwd: set[int],
-                  late: dict[Ref, set[int]]) -> frozenset[int]:
+                  late: dict[Ref, set[int]], backward: frozenset[int] = frozenset()
+                  ) -> frozenset[int]:
     """Note [recomputed in parts] in ftrans.py: the forward ops whose outputs the
     region reads in slices and nothing else after the forward reads, and so on
     upward while that holds: each part can remake its slice of them, and the
-    whole tensors need not be kept from the forward to the region."""
+    whole tensors need not be kept from the forward to the region.
+
+    ``backward``: the ops of every backward region of the component. A tensor
+    other backward regions read too is also remade when it is computed from
+    what the region keeps anyway: an RMSNorm's normalized input (x * rsqrt(
+    mean(x^2) + eps)), which the norm's weight gradient in the next region reads
+    as well, is remade from the block's input x, which both keep. Past that
+    (the block's input itself, from the block before) nothing is added."""
     if region & fwd:
         return frozenset()          # a region in the backward only
-    return _walk_up(dg, region, cid, lambda r: r.node in fwd and late.get(r, set()) <= region)
+    g = dg.graph
+    rec = _walk_up(dg, region, cid, lambda r: r.node in fwd and late.get(r, set()) <= region)
+    if not backward:
+        return rec
+    split = region | rec
+    kept = {Ref(r.node, r.out) for v in split for r in g.nodes[v].refs() if r.node not in split}
+    wider = _walk_up(dg, split, cid,
+                     lambda r: r.node in fwd and late.get(r, set()) <= region | backward)
+    made: set[int] = set()          # computed from what the region keeps, and weights
+    for p in sorted(wider):         # ids are a topological order
+        if all(g.nodes[r.node].kind != "op" or Ref(r.node, r.out) in kept or r.node in made
+               for r in g.nodes[p].refs()):
+            made.add(p)
+    useful: set[int] = set()        # ... and read by the region or by those it remakes
+    for p in sorted(made, reverse=True):
+        if any(w in split or w in useful for w in g.succs(p)):
+            useful.add(p)
+    if not useful or check(dg, region, cid, 1, rec | useful) is not None:
+        return rec
+    return rec | frozenset(useful)
 
 
 def side_recompute(dg: DGraph, region: frozenset[int], cid: int,
