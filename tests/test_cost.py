@@ -279,6 +279,7 @@ def test_measured_cost_and_its_disk_cache(small_program, tmp_path, monkeypatch):
     before = torch.random.get_rng_state()
     mc = MeasuredCost("cpu", cache_dir=tmp_path, reps=2)
     costs = op_costs(g, mc)
+    mc.save()
     assert torch.equal(torch.random.get_rng_state(), before)   # timing draws no caller RNG
     assert all(math.isfinite(v) and v >= 0 for v in costs.values())
     assert mc.timed == len(mc.table) > 0
@@ -319,6 +320,9 @@ def test_timings_on_a_busy_cpu_are_not_saved(small_program, tmp_path, monkeypatc
     assert len(set(keys)) == 3
     assert [mc.op_cost(g, n) for n in ops] == [1e-3] * 3      # least of 3e-3, 1e-3, 2e-3
     assert mc.unsaved == {keys[1]} and mc.canary_best == 1e-4
+    # written at once for the first new timing, then at most every SAVE_EVERY s
+    assert set(json.loads(mc.path.read_text())["ops"]) == {keys[0]}
+    mc.save()
     data = json.loads(mc.path.read_text())
     assert set(data["ops"]) == {keys[0], keys[2]} and data["canary"] == 1e-4
     monkeypatch.setattr(MeasuredCost, "_busy", lambda self: False)
@@ -326,6 +330,29 @@ def test_timings_on_a_busy_cpu_are_not_saved(small_program, tmp_path, monkeypatc
     again = MeasuredCost("cpu", cache_dir=tmp_path)
     assert again.canary_best == 1e-4
     assert [again.op_cost(g, n) for n in ops] == [1e-3, 5e-4, 1e-3]   # only the busy one again
+
+
+def test_new_timings_are_written_at_most_every_few_seconds(small_program, tmp_path,
+                                                           monkeypatch):
+    """Each write rewrites the whole cache file: the first new timing is
+    written at once, the next ones after SAVE_EVERY seconds, by `save`, or
+    at exit (measured.py's docstring)."""
+    import magis_nb.simulate.measured as measured
+
+    g = small_program.graph
+    ops = [n for n in g.ops if isinstance(n.op, torch._ops.OpOverload)][:3]
+    monkeypatch.setattr(MeasuredCost, "_busy", lambda self: False)
+    monkeypatch.setattr(MeasuredCost, "_time_op", lambda self, *a: 2e-3)
+    mc = MeasuredCost("cpu", cache_dir=tmp_path)
+    for n in ops:
+        mc.op_cost(g, n)
+    assert len(json.loads(mc.path.read_text())["ops"]) == 1
+    measured._save_at_exit()
+    assert len(json.loads(mc.path.read_text())["ops"]) == len(mc.table) == 3
+    monkeypatch.setattr(measured, "SAVE_EVERY", 0.0)
+    mc.table.clear()
+    mc.op_cost(g, ops[0])               # due: written at once
+    assert mc not in measured._DIRTY
 
 
 def test_measured_cost_falls_back_when_an_op_cannot_run(tmp_path):
