@@ -122,9 +122,11 @@ def test_causal_query_split_needs_the_part_mask():
 
 def test_causal_mask_op():
     from magis_nb.analysis.causal import causal_mask
-    m = causal_mask(torch.zeros(3, 2), 2, 6)
-    assert m.shape == (3, 6)
-    assert (m == 0).tolist() == [[j <= 2 + i for j in range(6)] for i in range(3)]
+    for off in range(8):        # up to past the last key: rows that see every key
+        m = causal_mask(torch.zeros(3, 2), off, 6)
+        assert m.shape == (3, 6)
+        assert (m == 0).tolist() == [[j <= off + i for j in range(6)] for i in range(3)]
+        assert ((m == 0) | (m == float("-inf"))).all()
     assert causal_mask(torch.zeros(3, 2, device="meta"), 2, 6).shape == (3, 6)
 
 

@@ -379,6 +379,17 @@ class _Expansion:
                             [tensor_info(t.shape, t, alias=Ref(e, 0), stride=st)], self.key(0, 0),
                             nm + "_acc0", cat)
 
+    def outside(self, r: Ref) -> Ref:
+        """A tensor made outside the parts, as they read it: its copy in the
+        region's prologue, else the original (an External ref)."""
+        r = Ref(r.node, r.out)
+        return self.whole.get(r) or External(r.node, r.out)
+
+    def producer(self, r: Ref) -> Node:
+        """The node that makes ``r``: the original graph's for an External ref,
+        else one built here (a part's op, a prologue's copy)."""
+        return self.g.nodes[r.node] if isinstance(r, External) else self.b.nodes[r.node]
+
     def prologue(self) -> None:
         """The region's prologue, run whole before part 0 (Note [recomputed
         whole before the parts] in prologue.py): a copy of each op reading the
@@ -387,11 +398,10 @@ class _Expansion:
             node = self.g.nodes[v]
 
             def fix(r: Ref, _k=None) -> Ref:
-                r = Ref(r.node, r.out)
-                return self.whole.get(r) or External(r.node, r.out)
+                return self.outside(r)
 
             outs = [None if t is None else dataclasses.replace(
-                t, alias=None if t.alias is None else fix(t.alias)) for t in node.outputs]
+                t, alias=None if t.alias is None else self.outside(t.alias)) for t in node.outputs]
             nid = self.b.op(node.target, node.op, map_refs(node.args, fix),
                             map_refs(node.kwargs, fix), outs, self.key(0, 0), f"{node.name}_rw",
                             node.category)
@@ -411,7 +421,7 @@ class _Expansion:
         if (r, d) not in narrows:
             t = self.g.tensor(r)
             node = self.g.nodes[r.node]
-            src = self.whole.get(Ref(r.node, r.out)) or External(r.node, r.out)
+            src = self.outside(r)
             if isinstance(d, tuple):
                 narrows[(r, d)] = self._blocked_slice(src, t, d, k, node)
             else:
@@ -436,8 +446,7 @@ class _Expansion:
                 or not node.region.chunk:
             return pr
         a0 = node.args[0]
-        src = self.g.tensor(Ref(a0.node, a0.out)) if isinstance(a0, External) \
-            else self.b.nodes[a0.node].outputs[a0.out]      # a prologue's copy
+        src = self.producer(a0).outputs[a0.out]     # the original, or a prologue's copy
         if src is None or all(s == 1 for s in src.shape[:node.args[1]]):
             narrows[(pr, "dense")] = pr     # a narrow of the outermost dim is contiguous
             return pr
@@ -508,14 +517,12 @@ class _Expansion:
             if idx in cut:
                 got = self.sliced(r, cut[idx], k, narrows)
                 return self.dense(got, cut[idx], k, narrows) if idx in need else got
-            return self.whole.get(Ref(r.node, r.out)) or External(r.node, r.out)
+            return self.outside(r)
 
         counter = [0]   # map_refs numbers the refs of args and kwargs as one sequence
         args = map_refs(tuple(args), sub, counter)
         kwargs = map_refs(dict(kwargs), sub, counter)
-        args, kwargs = self.causal_mask(node, args, kwargs, k)
-        cp = next((a for a in (*self.per_op[v][2], *self.per_op[v][3].values())
-                   if isinstance(a, CausalPart)), None)
+        args, kwargs, cp = self.causal_mask(node, args, kwargs, k)
         if node.target in RESHAPES:
             # every part's input has the same strides: asked once, in part 0
             if v not in self.view_ok:
@@ -544,11 +551,12 @@ class _Expansion:
 
     def causal_mask(self, node: Node, args, kwargs, k: int):
         """A rule's `CausalPart` placeholder becomes part k's own causal mask op
-        (analysis/causal.py), made just before the op reads it."""
+        (analysis/causal.py), made just before the op reads it; returns the
+        arguments and the `CausalPart` (None when the op has none)."""
         where = [(i, a) for i, a in enumerate(args) if isinstance(a, CausalPart)] \
             + [(n, a) for n, a in kwargs.items() if isinstance(a, CausalPart)]
         if not where:
-            return args, kwargs
+            return args, kwargs, None
         (at, cp), = where
         q = list(iter_refs((args, kwargs)))[cp.q]
         like = self.g.tensor(list(node.refs())[cp.q])
@@ -568,19 +576,17 @@ class _Expansion:
             counter = [0]
             args = map_refs(tuple(args), first, counter)
             kwargs = map_refs(dict(kwargs), first, counter)
-        return args, kwargs
+        return args, kwargs, cp
 
     def prefix(self, r: Ref, keys: int, k: int, rows: int, name: str) -> Ref:
         """The first ``keys`` rows (dim 2) of part k's ``r``: a view."""
-        t = self.g.tensor(Ref(r.node, r.out)) if isinstance(r, External) \
-            else self.b.nodes[r.node].outputs[r.out]
+        src = self.producer(r)
+        t = src.outputs[r.out]
         shape = list(t.shape)
         shape[2] = keys
         nid = self.b.op("aten.narrow.default", aten.narrow.default, [r, 2, 0, keys], {},
                         [tensor_info(shape, t, alias=r)], self.key(1, k), f"{name}_{k}",
-                        self.b.nodes[r.node].category if not isinstance(r, External)
-                        else self.g.nodes[r.node].category,
-                        Region(self.rid, k, self.n, rows, True))
+                        src.category, Region(self.rid, k, self.n, rows, True))
         return Ref(nid, 0)
 
     def merge(self, r: Ref, k: int, pr: Ref) -> None:

@@ -30,8 +30,7 @@ from __future__ import annotations
 import heapq
 
 from ..ir.graph import Ref
-from ..ir.passes import writes_into_input
-from ..rules.remat import written_in_place
+from ..ir.passes import writes_into_input, written_in_place
 from .dgraph import DGraph
 
 PROLOGUE_MAX = 64       # more ops than that is not the few a block's k and v take

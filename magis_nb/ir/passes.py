@@ -83,11 +83,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 
 import torch
 
 from .build import unique_ident
-from .graph import Graph, LossSeed, Node, Ref, TensorInfo, remap_refs
+from .graph import Graph, LossSeed, Node, Ref, TensorInfo, iter_refs, remap_refs
+
+_WRITTEN: "weakref.WeakKeyDictionary[Graph, dict[Ref, str]]" = weakref.WeakKeyDictionary()
 
 aten = torch.ops.aten
 
@@ -301,6 +304,25 @@ def writes_into_input(n: Node) -> bool:
     schema = getattr(n.op, "_schema", None)
     return bool(schema) and any(a.alias_info is not None and a.alias_info.is_write
                                 for a in schema.arguments)
+
+
+def written_in_place(g: Graph) -> dict[Ref, str]:
+    """Base tensors that some op writes into -> that op's name (once per graph:
+    the search asks it of the same graph for every candidate)."""
+    if g in _WRITTEN:
+        return _WRITTEN[g]
+    out: dict[Ref, str] = {}
+    for m in g.ops:
+        if not writes_into_input(m):
+            continue
+        for i, arg in enumerate(m.op._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            val = m.args[i] if i < len(m.args) else m.kwargs.get(arg.name)
+            for r in iter_refs(val):
+                out.setdefault(g.storage_of(r), m.name)
+    _WRITTEN[g] = out
+    return out
 
 
 def read_through_detaches(g: Graph) -> Graph:

@@ -48,8 +48,7 @@ import torch
 
 from ..ir.digest import node_labels
 from ..ir.graph import Graph, Node, Ref, TensorInfo, map_refs
-from ..ir.passes import Rewriter
-from .remat import written_in_place
+from ..ir.passes import Rewriter, written_in_place
 
 aten = torch.ops.aten
 MM, ADDMM = "aten.mm.default", "aten.addmm.default"

@@ -32,37 +32,14 @@ the parts] in `search.space`); its copy belongs to that part.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from typing import Iterable
 
 import torch
 
 from ..ir.graph import Graph, Node, Ref, Region, TensorInfo, iter_refs, map_refs
-from ..ir.passes import Rewriter, prune_dead_views, writes_into_input
+from ..ir.passes import Rewriter, prune_dead_views, writes_into_input, written_in_place
 from ..simulate.cost import is_training_batch_norm
 from .redirect import Redirect
-
-
-_WRITTEN: "weakref.WeakKeyDictionary[Graph, dict[Ref, str]]" = weakref.WeakKeyDictionary()
-
-
-def written_in_place(g: Graph) -> dict[Ref, str]:
-    """Base tensors that some op writes into -> that op's name (once per graph:
-    the search asks it of the same graph for every candidate)."""
-    if g in _WRITTEN:
-        return _WRITTEN[g]
-    out: dict[Ref, str] = {}
-    for m in g.ops:
-        if not writes_into_input(m):
-            continue
-        for i, arg in enumerate(m.op._schema.arguments):
-            if arg.alias_info is None or not arg.alias_info.is_write:
-                continue
-            val = m.args[i] if i < len(m.args) else m.kwargs.get(arg.name)
-            for r in iter_refs(val):
-                out.setdefault(g.storage_of(r), m.name)
-    _WRITTEN[g] = out
-    return out
 
 
 def can_rematerialize(g: Graph, a: int) -> str | None:

@@ -27,9 +27,8 @@ from typing import Iterable
 import torch
 
 from ..ir.graph import Graph, Node, Ref, TensorInfo
-from ..ir.passes import Rewriter, prune_dead_views
+from ..ir.passes import Rewriter, prune_dead_views, written_in_place
 from .redirect import Redirect
-from .remat import written_in_place
 
 aten = torch.ops.aten
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ..ir.graph import Ref
-from ..rules.remat import can_rematerialize, chain_to_live, written_in_place
+from ..ir.passes import written_in_place
+from ..rules.remat import can_rematerialize, chain_to_live
 from ..rules.swap import rd_region
 from .space import Remat, Space, State, Swap
 from .transfers import is_load, is_store

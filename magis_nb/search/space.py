@@ -23,9 +23,10 @@ from ..analysis.ftree import add_pack_twins
 from ..distributed import DataParallel, add_buckets
 from ..ir.digest import graph_digest
 from ..ir.graph import Graph, Ref, Region
+from ..ir.passes import written_in_place
 from ..program import Program
 from ..rules.algebra import merge_all, why_not_merge
-from ..rules.remat import can_rematerialize, recompute_graph, rematerialize_all, written_in_place
+from ..rules.remat import can_rematerialize, recompute_graph, rematerialize_all
 from ..rules.scale import sink_all, why_not_sink
 from ..rules.swap import rd_region, swap_all
 from ..schedule import BlockCache, reschedule, schedule
