@@ -431,3 +431,56 @@ def test_packed_masks_keep_the_draws_in_eager_order():
     assert draws(split.graph) == draws(prog.graph)
     ref = Reference(case.model, case.inputs, case.loss_fn, "train").check(split.module())
     assert ref.comparison.allclose, ref.comparison.mismatches
+
+
+def test_coarsen_takes_one_region_to_the_next_smaller_divisor():
+    """`coarsenings`, the reverse of "mutate" for a search under a memory
+    budget: one enabled region at a time, down to 2 parts, never disabled."""
+    from magis_nb.analysis.ftree import coarsenings
+
+    got = {tuple(sorted(p.items())) for k, p in coarsenings(_tree(), {3: 6, 2: 2})}
+    assert got == {((2, 2), (3, 4))}      # 2 parts is the least: region 2 stays
+    assert coarsenings(_tree(), {3: 2}) == []
+
+
+def test_the_every_block_plan_is_coarsened_within_the_memory_budget():
+    """`_Search.coarsen`: each region in turn in fewer parts while the plan stays
+    within the budget and gets faster, one try per region a pass. Priced here
+    by hand: in n parts region 2 adds 256/n to the peak, region 3 32/n, and
+    each n to the latency; under a limit of 40 region 2 stops at 8 parts and
+    region 3 goes on to 4."""
+    import types
+
+    from magis_nb.search import algorithm
+    from magis_nb.search.objective import Objective
+    from magis_nb.search.space import State
+
+    cands = _tree()
+    for c in cands:
+        c.max_n = 16
+
+    def peak(d):
+        return 256 // d[2] + 32 // d[3]
+
+    def state(plan):
+        d = dict(plan)
+        return State(tuple(sorted(d.items())), (), None, [], [], peak(d), float(sum(d.values())),
+                     [], 0)
+
+    start = state({2: 16, 3: 16})
+    s = algorithm._Search(types.SimpleNamespace(cands=cands), start, Objective("mem", 40), 60.0,
+                          0, None, None, 1.0)
+    tried = []
+
+    def visit(st, rule, plan, batches, touched):
+        assert rule == "coarsen" and st.peak <= 40
+        tried.append(dict(plan))
+        child = state(plan)
+        s.record(child)
+        return child
+
+    s.visit = visit
+    s.coarsen(start)
+    assert tried == [{2: 8, 3: 16}, {2: 8, 3: 8}, {2: 4, 3: 8}, {2: 8, 3: 4}, {2: 4, 3: 4},
+                     {2: 8, 3: 2}]
+    assert s.log.best.plan == ((2, 8), (3, 4))

@@ -568,6 +568,21 @@ def _clash(a: Candidate, b: Candidate) -> bool:
         or not recompute_fits(b.reads, b.remade, a.ops, a.outs)
 
 
+def coarsenings(cands: list[Candidate], plan: dict[int, int]) -> list[tuple[str, dict[int, int]]]:
+    """Every plan with one enabled region at the next smaller n above 1: the
+    reverse of "mutate", not a rule of the paper's (its search walks n upward
+    one divisor at a time). A search under a memory budget that jumped to many
+    parts at once (`_Search.every_block`: all blocks in 16) spends the memory it
+    has left on fewer parts where the peak is not, and fewer parts are faster."""
+    out = []
+    for i, n in sorted(plan.items()):
+        if n > 1:
+            lower = [d for d in divisors(cands[i].max_n) if 1 < d < n]
+            if lower:
+                out.append(("coarsen", {**plan, i: lower[-1]}))
+    return out
+
+
 def mutations(cands: list[Candidate], plan: dict[int, int]) -> list[tuple[str, dict[int, int]]]:
     """Every plan one F-Tree rule away. Enabled regions never overlap: enabling an
     ancestor of an enabled node is done by lifting (nested fission is not executed).

@@ -37,6 +37,7 @@ from .algebra_gains import AlgebraGains
 from .gcpause import collect_due, paused_gc
 from .linesearch import JUMPS, jump, step_back
 from .objective import Objective, SearchLog, pareto_add
+from ..analysis.ftree import coarsenings
 from .proposals import enable_blocks, enable_top, proposals
 from .queues import Ladder, StateQueue, expanded
 from .space import Space, State
@@ -329,9 +330,33 @@ class _Search:
                 else self.ladder.target.limit if self.climbing is not None else None
             if limit is not None and st.latency > limit:
                 st.meta["pending"] = []
-            if self.objective.kind != "mem" or st.peak <= self.objective.limit \
-                    or st.peak > before / 2:
+            if self.objective.kind == "mem" and st.peak <= self.objective.limit:
+                self.coarsen(st)
                 return
+            if self.objective.kind != "mem" or st.peak > before / 2:
+                return
+
+    def coarsen(self, st: State) -> None:
+        """Under a memory budget the every-block plan met with room to spare:
+        each region in turn in fewer parts (`coarsenings`), kept while the plan
+        stays within the budget and gets faster. The queue does not get there:
+        the plan's children are slow to build (Llama-style at 2048 tokens in
+        16 parts: 3 s each) and it expanded other states for the whole search."""
+        limit = self.objective.limit
+        improved = True
+        while improved and not self.out_of_time():
+            improved = False
+            # one try per region a pass, each from the plan the last one kept
+            for cid in sorted(dict(st.plan)):
+                if self.out_of_time():
+                    return
+                plan = next((p for _, p in coarsenings(self.space.cands, dict(st.plan))
+                             if p[cid] != dict(st.plan)[cid]), None)
+                if plan is None:
+                    continue
+                child = self.visit(st, "coarsen", tuple(sorted(plan.items())), st.batches, set())
+                if child is not None and child.peak <= limit and child.latency < st.latency:
+                    st, improved = child, True
 
     # -- the loop ------------------------------------------------------------
     def leader(self) -> State | None:
@@ -380,7 +405,8 @@ class _Search:
             # are all built: deep plans within the time budget, not just wide ones.
             pending = st.meta.get("pending")
             if pending is None:
-                pending = proposals(self.space, st, self.algebra, self.lat_limit(st))
+                pending = proposals(self.space, st, self.algebra, self.lat_limit(st),
+                                    coarsen=self.objective.kind == "mem")
             chunk, st.meta["pending"] = pending[:EXPAND], pending[EXPAND:]
             requeued = bool(st.meta["pending"])
             if requeued:

@@ -12,7 +12,7 @@ region's part ops, each made in every part (Note [rewrites inside the parts] in
 """
 from __future__ import annotations
 
-from ..analysis.ftree import largest_parts, least_parts, mutations, overlaps
+from ..analysis.ftree import coarsenings, largest_parts, least_parts, mutations, overlaps
 from .algebra_gains import AlgebraGains, product_of
 from .pricing import Ranked, batch_price, ranked
 from .space import Batch, Space, State, every_part
@@ -45,7 +45,8 @@ def _touched(g, kind: str, specs, ids: dict | None = None) -> set:
     return touched
 
 
-def _fission(space: Space, st: State) -> tuple[list[Proposal], list[Proposal], list[Proposal]]:
+def _fission(space: Space, st: State, coarsen: bool = False
+             ) -> tuple[list[Proposal], list[Proposal], list[Proposal]]:
     """F-Tree rules on the plan, as (packs, the rest, unpacks); rewrites are
     replayed on the new fission graph. Packs go before every other child: one
     state, and in a transformer split along the batch it is the biggest step
@@ -53,7 +54,9 @@ def _fission(space: Space, st: State) -> tuple[list[Proposal], list[Proposal], l
     Unpacks go after every other child: they trade memory back for time, and
     with the F-Tree rules they took 12-18 s of a 60 s paper-BTLM search (lat
     1.10) to build the split in 16 unpacked (0.2599) before any rewrite in the
-    parts of the packed one (0.167)."""
+    parts of the packed one (0.167). With ``coarsen`` (a memory budget),
+    fewer parts of one region (`coarsenings`) go with the unpacks: they too
+    trade memory for time."""
     plan = dict(st.plan)
     packs, out, enables, unpacks = [], [], [], []
     for rule, new in mutations(space.cands, plan):
@@ -71,6 +74,9 @@ def _fission(space: Space, st: State) -> tuple[list[Proposal], list[Proposal], l
             out.append((rule, key, st.batches, set()))
     enables.sort(key=lambda t: (-t[0], t[1]))
     out += [("enable", key, st.batches, set()) for _, _, key in enables[:ENABLE]]
+    if coarsen:
+        unpacks += [(rule, tuple(sorted(new.items())), st.batches, set())
+                    for rule, new in coarsenings(space.cands, plan)]
     return packs, out, unpacks
 
 
@@ -102,12 +108,13 @@ def batch_sizes(cands: list, r: Ranked, headroom: float | None) -> list[int]:
 
 
 def proposals(space: Space, st: State, algebra: AlgebraGains | None = None,
-              lat_limit: float | None = None) -> list[Proposal]:
+              lat_limit: float | None = None, coarsen: bool = False) -> list[Proposal]:
     """Children of ``st`` as (rule, plan, batches, touched op names), in the
     order the search evaluates them. ``algebra`` keeps the TASO prices of the
     plans seen so far (a search passes its own; None prices afresh).
     ``lat_limit`` (a latency budget, seconds): swap and remat batches are only
-    proposed where their price fits in what ``st`` has left under it."""
+    proposed where their price fits in what ``st`` has left under it.
+    ``coarsen`` (a memory budget): fewer parts of a region are proposed too."""
     algebra = algebra or AlgebraGains(space)
     r = ranked(space, st)
     out: list[Proposal] = []
@@ -142,7 +149,7 @@ def proposals(space: Space, st: State, algebra: AlgebraGains | None = None,
                     add(kind + tag, kind, [s], bool(tag))
 
     rewrites(r.swaps, r.remats)
-    packs, fission, unpacks = _fission(space, st)
+    packs, fission, unpacks = _fission(space, st, coarsen)
     out = packs + out + fission
     for rule, specs in algebra.children(st):
         add(rule, rule.split("x")[0], specs)
