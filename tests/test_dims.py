@@ -565,3 +565,25 @@ def test_advanced_indexing_splits_the_dims_no_index_touches():
     # a boolean mask's result is not B's shape: no rule, never a wrong one
     node, ts = make(aten.index.Tensor, x, [None, torch.tensor([1, 0, 1, 1, 0, 1]).bool()])
     assert dims_of(node, ts) is None
+
+
+def test_a_slice_of_all_of_a_dim_and_a_cat_onto_an_empty_tensor_split_along_it():
+    """Hugging Face's DynamicCache appends k and v to empty tensors
+    (``cat([empty, k], -2)``) and the backward slices k's gradient out whole:
+    both are copies along that dim, so a split along it runs through them
+    (without it, k and v of HF's Llama left the sequence's component and no
+    block backward could remake them in parts). A slice of part of a dim, or a
+    cat of two tensors, still has no axis there."""
+    x = r(4, 6, 3)
+    for op, args, dim in [(aten.slice.Tensor, (x, 1, 0, 6), 1),
+                          (aten.slice.Tensor, (x, 1, 0, 2**63 - 1), 1),
+                          (aten.slice.Tensor, (x, -2), 1),
+                          (aten.cat.default, ([torch.empty(0, dtype=x.dtype), x], 1), 1)]:
+        node, ts = make(op, *args)
+        od = dims_of(node, ts)
+        assert any((0, dim) in a.outputs for a in od.axes), (op, args[1:])
+        assert check_node(node, ts) >= 3, op     # every axis run in parts, that one too
+    for op, args in [(aten.slice.Tensor, (x, 1, 1, 6)), (aten.slice.Tensor, (x, 1, 0, 6, 2)),
+                     (aten.cat.default, ([x, r(4, 2, 3)], 1))]:
+        node, ts = make(op, *args)
+        assert not any((0, 1) in a.outputs for a in dims_of(node, ts).axes), args[1:]

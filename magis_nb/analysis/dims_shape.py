@@ -258,8 +258,14 @@ def _select(node, b, ins, outs):
 def _slice(node, b, ins, outs):
     rank = len(ins[0])
     dim = norm_dim(b["dim"], rank)
+    # a slice of all of ``dim`` (from 0, step 1, to the end or past it) is the
+    # identity there, and on a part it takes all of the part: the backward of
+    # Hugging Face's cache update (``cat([empty, k], -2)``) slices k's gradient
+    # that way, and without the axis k's chain left the sequence's component
+    whole = (b["start"] in (None, 0) and (b["step"] in (None, 1))
+             and (b["end"] is None or b["end"] >= ins[0][dim]))
     return OpDims(axes_of(*(ax(ins[0][d], [(0, d)], [(0, d)])
-                            for d in range(rank) if d != dim)))
+                            for d in range(rank) if d != dim or whole)))
 
 
 @rule("aten.select_backward", "aten.slice_backward")
@@ -281,8 +287,10 @@ def _cat(node, b, ins, outs):
         return None
     # legacy: 1-d empty tensors are skipped by cat; they are passed whole
     real = [t for t in tix if len(ins[t]) == rank]
+    # with one tensor left the cat is a copy of it, along ``dim`` too (Hugging
+    # Face's DynamicCache appends k and v to empty tensors in every forward)
     return OpDims(axes_of(*(ax(outs[0][d], [(t, d) for t in real], [(0, d)])
-                            for d in range(rank) if d != dim)))
+                            for d in range(rank) if d != dim or len(real) == 1)))
 
 
 @rule("aten.split.Tensor", "aten.split_with_sizes", "aten.unbind.int",
