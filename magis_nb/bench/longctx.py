@@ -3,7 +3,9 @@ the memory eager PyTorch needs at L.
 
 Models: the zoo's GPT (learned positions, GELU MLP, unfused causal attention)
 and the Llama-style model (RoPE, RMSNorm, grouped-query heads, SwiGLU, causal
-SDPA), both at a CPU width (d=128, 4 layers, vocabulary 4096), dropout 0. For
+SDPA), both at a CPU width (d=128, 4 layers, vocabulary 4096), dropout 0; and
+``hf-llama``: Hugging Face's `LlamaForCausalLM` at the Llama-style model's
+sizes (SDPA; its own loss, labels shifted inside), built from a config. For
 each length: eager's step, the magis plan for a memory budget equal to eager's
 measured peak at L or its simulated one, the lower (`optimize(mem_budget=bytes)`,
 swap off: on the CPU host and device memory are the same RAM), and the peers
@@ -37,6 +39,25 @@ MODELS = {
     "gpt": dict(WIDTH, ffn=512, pos="learned", mlp="gelu", window=None, qkv_bias=False),
     "llama": dict(WIDTH, kv_heads=2, ffn=344, theta=10000.0),
 }
+MODELS["hf-llama"] = MODELS["llama"]
+
+
+class HFLlama(torch.nn.Module):
+    """Hugging Face's `LlamaForCausalLM` (random weights, SDPA) called as the
+    zoo's models are, ``(ids, labels) -> loss``: one harness for all three."""
+
+    def __init__(self, c: dict):
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=c["vocab"], hidden_size=c["d"], intermediate_size=c["ffn"],
+                          num_hidden_layers=c["layers"], num_attention_heads=c["heads"],
+                          num_key_value_heads=c["kv_heads"], max_position_embeddings=c["seq"])
+        cfg._attn_implementation = "sdpa"
+        self.lm = LlamaForCausalLM(cfg)
+
+    def forward(self, ids, labels):
+        return self.lm(input_ids=ids, labels=labels).loss
 
 
 def case_at(name: str, seq: int, batch: int, seed: int = 0) -> ZooCase:
@@ -46,6 +67,8 @@ def case_at(name: str, seq: int, batch: int, seed: int = 0) -> ZooCase:
         torch.manual_seed(seed)
         if name == "gpt":
             model = zgpt.CausalLM(dict(c, max_pos=seq), p=0.0)
+        elif name == "hf-llama":
+            model = HFLlama(c)
         else:
             model = zllama.LlamaLM(c)
         ids = torch.randint(0, c["vocab"], (batch, seq))

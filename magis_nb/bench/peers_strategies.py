@@ -24,7 +24,7 @@ from .peers_harness import Candidate
 
 # Blocks to checkpoint, as module paths ("*": every child of a ModuleList/Sequential).
 BLOCKS = {"unet": ("inc", "down.*", "dec.*"), "gpt": ("blocks.*",), "vit": ("blocks.*",),
-          "bert": ("layers.*",), "llama": ("blocks.*",)}
+          "bert": ("layers.*",), "llama": ("blocks.*",), "hf-llama": ("lm.model.layers.*",)}
 COMPILE_BUDGETS = (1.0, 0.5, 0.2, 0.0)
 
 
