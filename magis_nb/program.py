@@ -8,6 +8,7 @@ import torch.nn as nn
 
 from .capture import Captured, capture
 from .ir import Graph, Ref, build_graph
+from .ir.phased_norm import decompose_batch_norms
 from .ir.passes import (decompose_dropout, drop_identity_clones, drop_metadata_asserts,
                         read_through_detaches, split_mean_loss)
 from .ir.shifted_loss import unshift_loss
@@ -55,6 +56,6 @@ def trace(model: nn.Module, inputs, *, loss_fn: Callable | None = None,
     """Capture ``model`` and build its IR and memory model."""
     cap = capture(model, inputs, loss_fn=loss_fn, mode=mode)
     g = split_mean_loss(decompose_dropout(unshift_loss(drop_metadata_asserts(build_graph(cap)))))
-    g = read_through_detaches(drop_identity_clones(g))
+    g = decompose_batch_norms(read_through_detaches(drop_identity_clones(g)))
     mg, op_ids, refs = g.memgraph()
     return Program(model, cap, g, mg, op_ids, refs)

@@ -219,3 +219,51 @@ def _embedding_backward(node, b, ins, outs):
     res = [] if b["scale_grad_by_freq"] else [
         ax(ins[idx][d], [(go, d), (idx, d)], [], "sum", "token") for d in range(k)]
     return OpDims(axes_of(*res, ax(ins[go][k], [(go, k)], [(0, 1)], name="hidden")))
+
+
+# -- BatchNorm in phases (Note [BatchNorm in phases] in ir/phased_norm.py) ------------
+
+def _phase_axes(ins, b, acts, vecs, out_dim, reduce: bool, stats=()):
+    """Axes of a phased BatchNorm op: the channel (dim 1 of the activations and
+    of the [3, C] statistics, dim 0 of per-channel vectors); every other dim of
+    the activations either reduced ("sum": the statistics of parts add up) or
+    elementwise onto output 0."""
+    xs = [b.t(n) for n in acts if b.t(n) is not None]
+    c = ins[xs[0]][1] if xs else ins[b.t(stats[0])][1]
+    ch = ([(t, 1) for t in xs] + [(b.t(n), 1) for n in stats]
+          + [(b.t(n), 0) for n in vecs if b.t(n) is not None])
+    res = [ax(c, ch, out_dim, name="channel")]
+    if xs:
+        for d in range(len(ins[xs[0]])):
+            if d != 1:
+                res.append(ax(ins[xs[0]][d], [(t, d) for t in xs], [] if reduce else [(0, d)],
+                              "sum", "batch" if d == 0 else "spatial"))
+    return OpDims(axes_of(*res))
+
+
+@rule("magis_nb.bn_stats")
+def _bn_stats(node, b, ins, outs):
+    return _phase_axes(ins, b, ["x"], ["shift"], [(0, 1)], True)
+
+
+@rule("magis_nb.bn_backward_reduce")
+def _bn_backward_reduce(node, b, ins, outs):
+    return _phase_axes(ins, b, ["grad_out", "x"], ["mean", "invstd"], [(0, 1)], True)
+
+
+@rule("magis_nb.bn_elemt")
+def _bn_elemt(node, b, ins, outs):
+    return _phase_axes(ins, b, ["x"], ["weight", "bias", "mean", "invstd"], [(0, 1)], False)
+
+
+@rule("magis_nb.bn_backward_elemt")
+def _bn_backward_elemt(node, b, ins, outs):
+    return _phase_axes(ins, b, ["grad_out", "x"], ["weight", "mean", "invstd"], [(0, 1)], False,
+                       ["sums"])
+
+
+@rule("magis_nb.bn_finalize", "magis_nb.bn_running", "magis_nb.bn_backward_affine")
+def _bn_per_channel(node, b, ins, outs):
+    vecs = [n for n in ("shift", "running_mean", "running_var") if n in b.names]
+    return _phase_axes(ins, b, [], vecs, [(o, 0) for o in range(len(outs))], False,
+                       ["stats" if "stats" in b.names else "sums"])

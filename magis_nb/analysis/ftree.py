@@ -12,9 +12,19 @@ from dataclasses import dataclass, field
 import rustworkx as rx
 
 from ..ir.graph import Graph, Ref
+from ..ir.phased_norm import PHASE_BARRIERS
 from .dgraph import DGraph
-from .ftrans import (FTrans, check, divisors, max_parts, recompute_fits, recompute_reads,
-                     reentered, region_outputs, weak_pieces)
+from .ftrans import (
+    FTrans,
+    check,
+    divisors,
+    max_parts,
+    recompute_fits,
+    recompute_reads,
+    reentered,
+    region_outputs,
+    weak_pieces,
+)
 from .masks import packable_masks
 from .prologue import prologue_set
 
@@ -179,6 +189,8 @@ def _conflicted(dg: DGraph, comp: int, nodes) -> bool:
     if c.choices:
         return True
     inside = set(nodes)
+    if any(g.nodes[v].target in PHASE_BARRIERS for v in inside):
+        return True
     for v in nodes:
         sliced = dict(dg.axis(v, comp).inputs)
         for k, r in enumerate(g.nodes[v].refs()):
@@ -198,7 +210,10 @@ def _segments(dg: DGraph, comp: int, nodes) -> list[set[int]]:
     a new one. For attention along the sequence this cuts each block between
     the projections of k and v (read whole by attention) and the attention, in
     the forward and in the backward: the regions the dominator tree cannot
-    offer (no op dominates a block's attention without its k and v)."""
+    offer (no op dominates a block's attention without its k and v). What is
+    computed from a phase barrier's combined result (a BatchNorm's statistics:
+    Note [BatchNorm in phases] in ir/phased_norm.py) starts a later segment:
+    each conv block splits into the phases between its normalizations."""
     c, g = dg.components[comp], dg.graph
     inside = set(nodes)
     pos = g.topo_position()
@@ -226,6 +241,11 @@ def _segments(dg: DGraph, comp: int, nodes) -> list[set[int]]:
         lo = max((depth[p] for p in g.preds(v)), default=0)
         if v not in inside:
             depth[v] = lo
+            # combined statistics of a phase barrier's parts (BatchNorm's) are
+            # read after all its parts: their readers start a later segment
+            for p in g.preds(v):
+                if p in seg_of and g.nodes[p].target in PHASE_BARRIERS:
+                    depth[v] = max(depth[v], seg_of[p] + 1)
             continue
         refs = list(g.nodes[v].refs())
         axes = [c.axis_of[v]] if v in c.axis_of else c.choices[v]

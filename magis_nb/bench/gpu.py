@@ -31,7 +31,6 @@ from .. import zoo
 from ..capture import eager_step
 from ..program import trace
 from ..runtime.measure import CudaOpPeaks, Measurement, measure_cpu, measure_cuda, model_baseline
-from ..search.safety import SPREAD_SLACK
 from ..snapshot import ModelSnapshot
 from ..timing import clear_grads, time_steps
 from ..verify import Reference, compare_models
@@ -97,12 +96,12 @@ def simcheck(d: Device, names) -> list[dict]:
 
 
 def _slack(model, inputs, loss_fn) -> tuple[dict[str, float], float]:
-    """The safety net's extra atol per tensor (SPREAD_SLACK times eager's own error
+    """The safety net's extra atol per tensor (a multiple of eager's own error
     against a wider copy: Note [eager's own error]) and eager's largest own error."""
     ref = Reference(model, inputs, loss_fn, "train")
-    spread = ref.spread()
+    spread, slack = ref.spread(), ref.slack()
     ref.restore()
-    return {k: SPREAD_SLACK * v for k, v in spread.items()}, max(spread.values(), default=0.0)
+    return slack, max(spread.values(), default=0.0)
 
 
 def _simcheck_one(d: Device, name: str) -> dict:

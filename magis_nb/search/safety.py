@@ -30,9 +30,6 @@ from .divergence import first_divergence
 RTOL, ATOL, REL_ATOL = 1e-4, 1e-6, 1e-5
 # Low precision (bf16/fp16 parameters or autocast): eager's own fp32-vs-bf16 spread.
 LOW_RTOL, LOW_REL_ATOL = 2e-2, 2e-2
-# bf16/fp16 parameters: a plan may differ from eager by this many times eager's
-# own error on each tensor (Note [low-precision parameters]).
-SPREAD_SLACK = 2.0
 
 
 # Note [low-precision parameters]
@@ -100,7 +97,7 @@ class SafetyNet:
         with torch.random.fork_rng(devices=[]):
             self.ref = Reference(model, inputs, loss_fn, mode, seed)
             # empty for an fp32 model on the CPU (Note [eager's own error])
-            self.slack = {k: SPREAD_SLACK * v for k, v in self.ref.spread().items()}
+            self.slack = self.ref.slack()
         self.done: dict[int, PlanFailure | None] = {}
         # key -> (measured peak of the plan's step, its module's host buffers), for
         # the plans that passed: what `OptimizeResult.measured` reports

@@ -1,0 +1,147 @@
+"""Training BatchNorm in phases (Note [BatchNorm in phases] in ir/phased_norm.py):
+the ops in parts equal ATen's training kernels, the traced program equals eager
+(running statistics included), and a split along the batch through the
+elementwise phases is exact at its simulated peak."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from magis_nb.analysis.apply import apply_fission
+from magis_nb.analysis.dgraph import DGraph
+from magis_nb.analysis.ftrans import FTrans, check
+from magis_nb.ir import phased_norm  # noqa: F401 - registers the magis_nb::bn_* ops
+from magis_nb.program import trace
+from magis_nb.verify import Reference
+
+M, aten = torch.ops.magis_nb, torch.ops.aten
+
+
+def _parts(t, dim, n):
+    return t.tensor_split(n, dim)
+
+
+@pytest.mark.parametrize("shape,dim,n", [((8, 6, 10, 12), 0, 4), ((8, 6, 10, 12), 2, 5),
+                                         ((8, 6, 10, 12), 3, 3), ((12, 6), 0, 3),
+                                         ((4, 6, 20), 2, 4)])
+@pytest.mark.parametrize("affine,running", [(True, True), (False, True), (True, False)])
+def test_phases_in_parts_equal_the_training_kernels(shape, dim, n, affine, running):
+    """Statistics summed over parts of the batch or the image, then each part
+    normalized: eager's output, saved statistics, running statistics and (from
+    the backward's summed reductions) gradients, on data whose mean is large
+    against its spread (the shifted sums keep the variance from cancelling)."""
+    torch.manual_seed(0)
+    c = shape[1]
+    x = torch.randn(shape) * 3 + 20
+    dy = torch.randn(shape)
+    w, b = (torch.randn(c), torch.randn(c)) if affine else (None, None)
+    rm, rv = (torch.randn(c) + 19, torch.rand(c) + 0.5) if running else (None, None)
+    if running:
+        ref = aten._native_batch_norm_legit_functional.default(x, w, b, rm, rv, True, 0.1, 1e-5)
+    else:
+        ref = aten._native_batch_norm_legit.no_stats(x, w, b, True, 0.1, 1e-5)
+    stats = sum(M.bn_stats(p, rm) for p in _parts(x, dim, n))
+    mean, invstd = M.bn_finalize(stats, rm, 1e-5, torch.float32)
+    y = torch.cat([M.bn_elemt(p, w, b, mean, invstd) for p in _parts(x, dim, n)], dim)
+    close = dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, ref[0], **close)
+    torch.testing.assert_close(mean, ref[1], **close)
+    torch.testing.assert_close(invstd, ref[2], **close)
+    if running:
+        new_rm, new_rv = M.bn_running(stats, rm, rm, rv, 0.1)
+        torch.testing.assert_close(new_rm, ref[3], **close)
+        torch.testing.assert_close(new_rv, ref[4], **close)
+    want = aten.native_batch_norm_backward.default(dy, x, w, rm, rv, ref[1], ref[2], True, 1e-5,
+                                                   [True, affine, affine])
+    sums = sum(M.bn_backward_reduce(d, p, mean, invstd)
+               for d, p in zip(_parts(dy, dim, n), _parts(x, dim, n)))
+    dx = torch.cat([M.bn_backward_elemt(d, p, w, mean, invstd, sums)
+                    for d, p in zip(_parts(dy, dim, n), _parts(x, dim, n))], dim)
+    torch.testing.assert_close(dx, want[0], **close)
+    if affine:
+        dw, db = M.bn_backward_affine(sums, torch.float32)
+        torch.testing.assert_close(dw, want[1], rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(db, want[2], rtol=1e-5, atol=1e-4)
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.b = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8, affine=False),
+                               nn.ReLU())
+        self.c = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1),
+                               nn.BatchNorm2d(8, track_running_stats=False), nn.ReLU())
+        self.head = nn.Linear(8, 5)
+        self.norm = nn.BatchNorm1d(5)
+
+    def forward(self, x):
+        h = self.c(self.b(self.a(x)))
+        return self.norm(self.head(h.mean((2, 3))))
+
+
+def _case():
+    torch.manual_seed(0)
+    model = ConvNet()
+    inputs = (torch.randn(8, 3, 16, 16), torch.randn(8, 5))
+    return model, inputs, lambda out, t: (out - t).square().mean()
+
+
+def test_the_program_has_no_training_batch_norm_and_equals_eager():
+    model, inputs, loss = _case()
+    prog = trace(model, inputs, loss_fn=loss)
+    targets = {n.target for n in prog.graph.ops}
+    assert not any("batch_norm" in t for t in targets), sorted(targets)
+    assert {"magis_nb.bn_stats.default", "magis_nb.bn_running.default",
+            "magis_nb.bn_backward_reduce.default", "magis_nb.bn_backward_affine.default"} <= targets
+    chk = Reference(model, inputs, loss, "train").check(prog.module())
+    assert chk.comparison.allclose, chk.comparison.mismatches     # buffers included
+    assert chk.measured_peak == prog.simulate().peak
+
+
+def _batch_region(dg: DGraph, first: str, last: str, k: int) -> tuple[frozenset[int], int]:
+    """The ops from the k-th op with target ``first`` through the first later one
+    with target ``last``, along the path of data, in the batch component."""
+    g = dg.graph
+    comp = next(c.id for c in dg.components if c.name == "x0[0]")
+    start = [n.id for n in g.ops if n.target == first][k]
+    end = next(n.id for n in g.ops if n.target == last and n.id > start)
+    down, todo = {start}, [start]
+    while todo:
+        for w in g.succs(todo.pop()):
+            if w not in down and w <= end:
+                down.add(w)
+                todo.append(w)
+    up, todo = {end}, [end]
+    while todo:
+        for p in g.preds(todo.pop()):
+            if p not in up and p >= start:
+                up.add(p)
+                todo.append(p)
+    return frozenset(v for v in down & up if v in dg.components[comp].axis_of
+                     or v in dg.components[comp].choices), comp
+
+
+@pytest.mark.parametrize("first,last,k", [
+    ("magis_nb.bn_elemt.default", "magis_nb.bn_stats.default", 0),
+    # the second: the first is the head's BatchNorm1d, whose next reductions are
+    # the last conv block's, with no convolution between
+    ("magis_nb.bn_backward_elemt.default", "magis_nb.bn_backward_reduce.default", 1)])
+def test_a_batch_split_between_two_phases_is_exact(first, last, k, one_thread):
+    """A region from one BatchNorm's normalize to the next one's statistics
+    (forward), or from one's input gradient to the next one's reductions
+    (backward), split along the batch: the statistics of its parts are summed,
+    the step equals eager's, and the peak is the simulated one."""
+    model, inputs, loss = _case()
+    prog = trace(model, inputs, loss_fn=loss)
+    dg = DGraph(prog.graph)
+    ops, comp = _batch_region(dg, first, last, k)
+    assert check(dg, ops, comp, 4) is None
+    assert {prog.graph.nodes[v].target for v in ops} >= {first, last, "aten.convolution.default"
+                                                         if first.endswith("bn_elemt.default")
+                                                         else "aten.convolution_backward.default"}
+    split = prog.with_graph(apply_fission(dg, [FTrans(ops, comp, 4)]))
+    chk = Reference(model, inputs, loss, "train").check(split.module())
+    assert chk.comparison.allclose, chk.comparison.mismatches
+    assert chk.measured_peak == split.simulate().peak
