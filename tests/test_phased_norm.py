@@ -145,3 +145,63 @@ def test_a_batch_split_between_two_phases_is_exact(first, last, k, one_thread):
     chk = Reference(model, inputs, loss, "train").check(split.module())
     assert chk.comparison.allclose, chk.comparison.mismatches
     assert chk.measured_peak == split.simulate().peak
+
+
+def _conv_bn(conv, bn):
+    return nn.Sequential(conv, bn)
+
+
+FORMS = {
+    "momentum None": lambda: (_conv_bn(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=None)),
+                              (4, 3, 8, 8), (4, 4, 6, 6)),
+    "BatchNorm3d": lambda: (_conv_bn(nn.Conv3d(3, 4, 3), nn.BatchNorm3d(4)),
+                            (2, 3, 6, 6, 6), (2, 4, 4, 4, 4)),
+    "BatchNorm1d on NCL": lambda: (_conv_bn(nn.Conv1d(3, 4, 3), nn.BatchNorm1d(4)),
+                                   (4, 3, 10), (4, 4, 8)),
+    "BatchNorm1d, batch 2": lambda: (_conv_bn(nn.Linear(3, 4), nn.BatchNorm1d(4)), (2, 3), (2, 4)),
+}
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_batch_norm_forms_equal_eager_in_phases(form):
+    """Cumulative averages (momentum None), 1-d and 3-d BatchNorm, a batch of 2:
+    written in phases, and the step (running statistics and the batch count
+    included) equals eager's at the simulated peak."""
+    torch.manual_seed(0)
+    model, xs, ts = FORMS[form]()
+    inputs = (torch.randn(xs), torch.randn(ts))
+    loss = lambda out, t: (out - t).square().mean()      # noqa: E731
+    prog = trace(model, inputs, loss_fn=loss)
+    assert any(n.target == "magis_nb.bn_stats.default" for n in prog.graph.ops)
+    chk = Reference(model, inputs, loss, "train").check(prog.module())
+    assert chk.comparison.allclose, chk.comparison.mismatches
+    assert chk.measured_peak == prog.simulate().peak
+
+
+class Autocast(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.bn(self.conv(x)).float()
+
+
+@pytest.mark.parametrize("kind", ["bf16 parameters", "autocast"])
+def test_low_precision_batch_norm_stays_whole_and_optimizes(kind):
+    """A BatchNorm fed bf16 stays ATen's op (its kernels round once, in fp32;
+    phases would round each step): the program is eager's and `optimize` hands
+    out a plan."""
+    import magis_nb
+    torch.manual_seed(0)
+    if kind == "autocast":
+        model, x, t = Autocast(), torch.randn(4, 3, 8, 8), torch.randn(4, 4, 6, 6)
+    else:
+        model = _conv_bn(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).to(torch.bfloat16)
+        x, t = torch.randn(4, 3, 8, 8).bfloat16(), torch.randn(4, 4, 6, 6).bfloat16()
+    loss = lambda out, t: (out - t).square().mean()      # noqa: E731
+    prog = trace(model, (x, t), loss_fn=loss)
+    assert not any(n.target.startswith("magis_nb.bn_") for n in prog.graph.ops)
+    res = magis_nb.optimize(model, (x, t), loss_fn=loss, time_budget=5)
+    assert res.met and res.plan is not None

@@ -38,6 +38,10 @@ reduction), so a part adds ``n*(mean - shift)`` and
 (unbiased variance, ``momentum``), and ``num_batches_tracked`` is the graph's
 own ``add``, untouched.
 
+Only fp32 and fp64 BatchNorms are written so (`_training_forward`): one fed
+bf16 or fp16 (autocast's convolutions, half parameters) stays ATen's op, whose
+kernels compute in fp32 and round once; its batch axis is then no axis.
+
 The elementwise ops reuse ATen's kernels where one exists: the normalize is the
 eval-mode kernel with the variance ``invstd ** -2`` and eps 0 (as the remat of
 a training BatchNorm does, rules/remat.py), the backward's reduction is
@@ -174,10 +178,22 @@ _NO_STATS = "aten._native_batch_norm_legit.no_stats"
 _BACKWARD = "aten.native_batch_norm_backward.default"
 
 
-def _training_forward(n: Node) -> bool:
+_WIDE = (torch.float32, torch.float64)
+
+
+def _training_forward(g: Graph, n: Node) -> bool:
+    """A training BatchNorm forward whose activations and statistics are fp32 or
+    fp64. Not in bf16/fp16 (autocast's convolutions feed it bf16): ATen's
+    kernels compute those in fp32 and round once, where the elementwise phases
+    would round each step (a conv bias's gradient, zero but for rounding, came
+    out 0.00122 off eager's on a bf16 conv-BN), and computing them in fp32
+    would allocate what the memory model does not see. Those stay whole."""
     if n.target == _FUNCTIONAL:
-        return len(n.args) == 8 and n.args[5] is True and not n.kwargs
-    return n.target == _NO_STATS and len(n.args) == 6 and n.args[3] is True and not n.kwargs
+        ok = len(n.args) == 8 and n.args[5] is True and not n.kwargs
+    else:
+        ok = n.target == _NO_STATS and len(n.args) == 6 and n.args[3] is True and not n.kwargs
+    return ok and all(t is not None and t.dtype in _WIDE for t in n.outputs[:3]) \
+        and g.tensor(n.args[0]).dtype == n.outputs[0].dtype
 
 
 def _info(t: TensorInfo, shape=None, dtype=None) -> TensorInfo:
@@ -195,7 +211,7 @@ def _add(rw: Rewriter, n: Node, suffix: str, name: str, args, outputs, *, keep=F
 
 
 def _forward_rule(rw: Rewriter, n: Node, stats_of: dict) -> bool:
-    if not _training_forward(n):
+    if not _training_forward(rw.g, n):
         return False
     fix = rw.fix
     functional = n.target == _FUNCTIONAL
@@ -253,7 +269,7 @@ def _backward_rule(rw: Rewriter, n: Node, stats_of: dict) -> bool:
 def decompose_batch_norms(g: Graph) -> Graph:
     """Every training BatchNorm (forward and backward) written in phases:
     Note [BatchNorm in phases]."""
-    if not any(_training_forward(n) for n in g.nodes):
+    if not any(_training_forward(g, n) for n in g.nodes):
         return g
     stats_of: dict[Ref, Ref] = {}
     return Rewriter(g).run(lambda rw, n: _forward_rule(rw, n, stats_of)
