@@ -14,7 +14,8 @@ TUTORIALS = ["01_quickstart", "02_budget_slider", "03_fission_unet", "04_swap_an
 EXPECT = {
     "01_quickstart": ["losses match eager", "| after |"],
     "02_budget_slider": ["budget now: x0.55", "bound module is the plan's: True"],
-    "03_fission_unet": ["chosen plan:", "Pareto plans split a region", "tiles match eager"],
+    "03_fission_unet": ["chosen plan:", "Pareto plans split a region", "phases match eager",
+                        "tiles match eager"],
     "04_swap_and_gpu": ["optimized step:", "GPU part"],
     "05_your_own_model": ["several candidate models", "loss ", "checked against eager: True"],
 }
