@@ -10,12 +10,12 @@ GPUs and solves it with phases; `decompose_batch_norms` writes every training
 BatchNorm of a graph the same way, with ops of this module:
 
     forward   s = bn_stats(x, shift)                 [3, C] float64: count, sum, sum of squares
-              mean, invstd = bn_finalize(s, shift, eps)
+              mean, invstd = bn_finalize(s, shift, eps, dtype)
               new_rm, new_rv = bn_running(s, shift, rm, rv, momentum)
               y = bn_elemt(x, w, b, mean, invstd)    elementwise
     backward  r = bn_backward_reduce(dy, x, mean, invstd)   [3, C] float64: count, sum dy, sum dy*xhat
               dx = bn_backward_elemt(dy, x, w, mean, invstd, r)  elementwise
-              dw, db = bn_backward_affine(r, w)
+              dw, db = bn_backward_affine(r, dtype)
 
 ``bn_stats`` and ``bn_backward_reduce`` have every dim but the channel as a
 "sum" axis (dims_ops): their parts' results add up to the whole op's, so a
