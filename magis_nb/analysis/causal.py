@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import substitute
+
 _lib = torch.library.Library("magis_nb", "FRAGMENT")
 _lib.define("causal_mask(Tensor q, int offset, int keys) -> Tensor")
 
@@ -58,6 +60,7 @@ _lib.impl("causal_mask", causal_mask, "CompositeExplicitAutograd")
 _lib.impl("causal_mask", _causal_mask_meta, "Meta")
 CAUSAL_MASK = torch.ops.magis_nb.causal_mask.default
 CAUSAL_MASK_TARGET = "magis_nb.causal_mask.default"
+substitute(CAUSAL_MASK_TARGET, "_causal_mask", causal_mask, CAUSAL_MASK)   # kernels.substitute
 
 
 @dataclass(frozen=True)

@@ -14,17 +14,8 @@ import rustworkx as rx
 from ..ir.graph import Graph, Ref
 from ..ir.phased_norm import PHASE_BARRIERS
 from .dgraph import DGraph
-from .ftrans import (
-    FTrans,
-    check,
-    divisors,
-    max_parts,
-    recompute_fits,
-    recompute_reads,
-    reentered,
-    region_outputs,
-    weak_pieces,
-)
+from .ftrans import (FTrans, check, divisors, max_parts, recompute_fits, recompute_reads,
+                     reentered, region_outputs, weak_pieces)
 from .masks import packable_masks
 from .prologue import prologue_set
 

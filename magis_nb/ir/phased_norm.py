@@ -54,6 +54,7 @@ import math
 
 import torch
 
+from ..kernels import substitute
 from .graph import Graph, Node, Ref, TensorInfo
 from .passes import Rewriter
 
@@ -81,8 +82,14 @@ def bn_stats(x: torch.Tensor, shift: torch.Tensor | None) -> torch.Tensor:
     # [16, 8, 128, 128] here, where var_mean over dims (0, 2, 3) took 5.8
     mean, var = aten.batch_norm_update_stats.default(x, None, None, 0.0)
     n = x.numel() // x.shape[1] if x.numel() else 0
-    d = mean.double() if shift is None else mean.double() - shift.double()
-    return torch.stack([torch.full_like(d, n), d * n, (var.double() + d * d) * n])
+    out = torch.empty((3, x.shape[1]), dtype=torch.float64, device=x.device)
+    out[0].fill_(n)
+    d = out[1].copy_(mean)
+    if shift is not None:
+        d.sub_(shift)
+    torch.addcmul(var, d, d, out=out[2])
+    out[1:].mul_(n)
+    return out
 
 
 def _moments(stats: torch.Tensor, shift: torch.Tensor | None):
@@ -114,24 +121,33 @@ def bn_elemt(x, weight, bias, mean, invstd):
 def bn_backward_reduce(grad_out, x, mean, invstd):
     _, gw, gb = aten.native_batch_norm_backward.default(
         grad_out, x, None, None, None, mean, invstd, True, 0.0, [False, True, True])
-    n = x.numel() // x.shape[1] if x.numel() else 0
-    return torch.stack([torch.full_like(gb, n, dtype=torch.float64), gb.double(), gw.double()])
+    out = torch.empty((3, x.shape[1]), dtype=torch.float64, device=x.device)
+    out[0].fill_(x.numel() // x.shape[1] if x.numel() else 0)
+    out[1].copy_(gb)
+    out[2].copy_(gw)
+    return out
 
 
 def bn_backward_elemt(grad_out, x, weight, mean, invstd, sums):
-    """dx = a*(dy - sum_dy/n - xhat*sum_dy_xhat/n), a = w*invstd, written as
-    k*(x - mean) + a*dy + c per channel: one allocation (the result). x's
-    mean comes off first, as ATen's kernel does: k*x + c would cancel where
-    the mean is large against the spread."""
+    """dx = a*(dy - sum_dy/n - xhat*sum_dy_xhat/n), a = w*invstd.
+
+    Unsplit on the CPU (the sums count only this tensor's values), ATen's
+    training backward computes exactly that, in one kernel, eager's bits.
+    A part is written k*(x - mean) + a*dy + c per channel: one allocation
+    (the result); x's mean comes off first, as ATen's kernel does (k*x + c
+    would cancel where the mean is large against the spread)."""
+    if x.device.type == "cpu" and x.numel() and int(sums[0, 0]) == x.numel() // x.shape[1]:
+        return aten.native_batch_norm_backward.default(
+            grad_out, x, weight, None, None, mean, invstd, True, 0.0, [True, False, False])[0]
     n, sdy, sdxh = sums.unbind(0)
     inv = invstd.double()
     a = inv if weight is None else inv * weight.double()
     dt = grad_out.dtype
     k = (-a * inv * sdxh / n).to(dt)
     c = (-a * sdy / n).to(dt)
-    dx = (x - _per_channel(mean, x)).mul_(_per_channel(k, x))
-    dx.addcmul_(grad_out, _per_channel(a.to(dt), x))
-    return dx.add_(_per_channel(c, x))
+    dx = torch.sub(x, _per_channel(mean, x))
+    torch.addcmul(_per_channel(c, x), dx, _per_channel(k, x), out=dx)
+    return dx.addcmul_(grad_out, _per_channel(a.to(dt), x))
 
 
 def bn_backward_affine(sums, dtype):
@@ -169,6 +185,14 @@ OPS = {name: getattr(torch.ops.magis_nb, name).default for name in (
 
 def target(name: str) -> str:
     return f"magis_nb.{name}.default"
+
+
+for _name, _fn in (("bn_stats", bn_stats), ("bn_finalize", bn_finalize),
+                   ("bn_running", bn_running), ("bn_elemt", bn_elemt),
+                   ("bn_backward_reduce", bn_backward_reduce),
+                   ("bn_backward_elemt", bn_backward_elemt),
+                   ("bn_backward_affine", bn_backward_affine)):
+    substitute(target(_name), "_" + _name, _fn, OPS[_name])   # kernels.substitute
 
 
 # -- the rewrite ------------------------------------------------------------------
