@@ -80,7 +80,7 @@ def _pairs(ref: nn.Module, got: nn.Module, ra, ga):
 # A plan may differ from eager by this many times eager's own error on each tensor
 # (`Reference.spread`; Note [low-precision parameters] in search/safety.py) ...
 SPREAD_SLACK = 2.0
-# ... and an fp32 model training BatchNorm by this many (Note [phased BatchNorm's
+# ... and an fp32 model normalizing by its batch by this many (Note [phased BatchNorm's
 # rounding]).
 PHASED_SLACK = 4.0
 
@@ -104,9 +104,10 @@ def _wider(params: list[torch.Tensor], buffers: list[torch.Tensor],
     for a model holding bf16/fp16 parameters or buffers; fp64 for an fp32 model on
     a GPU, whose kernels (cuDNN's BatchNorm in eager, the captured program's native
     one; convolution weight gradients summed with atomics) differ from run to run
-    and from the program's, and for an fp32 model training BatchNorm (``phased``),
-    which the program computes in phases with its own rounding (Note [BatchNorm in
-    phases] in ir/phased_norm.py); else None (on the CPU the program and eager
+    and from the program's, and for an fp32 model normalizing by its batch
+    (``phased``: BatchNorm training, InstanceNorm), which the program computes in
+    phases with its own rounding (Note [BatchNorm in phases] in
+    ir/phased_norm.py); else None (on the CPU the program and eager
     call the same kernels)."""
     ts = params + buffers
     if any(t.dtype in (torch.bfloat16, torch.float16) for t in ts):
@@ -116,11 +117,18 @@ def _wider(params: list[torch.Tensor], buffers: list[torch.Tensor],
     return None
 
 
-def trains_batch_norm(model: nn.Module, mode: str) -> bool:
-    """Whether a step of ``model`` normalizes with batch statistics."""
-    return mode == "train" and any(
-        isinstance(m, nn.modules.batchnorm._BatchNorm) and (m.training or m.running_mean is None)
-        for m in model.modules())
+def normalizes_by_batch(model: nn.Module, mode: str) -> bool:
+    """Whether a step of ``model`` normalizes with statistics of its input
+    (a BatchNorm training, or without running statistics; an InstanceNorm):
+    the program computes those in phases (Note [BatchNorm in phases])."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) \
+                and ((m.training and mode == "train") or m.running_mean is None):
+            return True
+        if isinstance(m, nn.modules.instancenorm._InstanceNorm) \
+                and (m.training or not m.track_running_stats):
+            return True
+    return False
 
 
 def _room_for_wide_copy(params: list[torch.Tensor], peak: int) -> bool:
@@ -171,7 +179,7 @@ class Reference:
         if self._spread is None:
             self._spread = {}
             params = list(self.ref.parameters())
-            wide_t = _wider(params, list(self.ref.buffers()), trains_batch_norm(self.model, self.mode))
+            wide_t = _wider(params, list(self.ref.buffers()), normalizes_by_batch(self.model, self.mode))
             if wide_t is not None and _room_for_wide_copy(params, self.eager_peak):
                 self.restore()
                 wide = copy.deepcopy(self.model).to(wide_t)
@@ -202,14 +210,14 @@ class Reference:
     def slack(self) -> dict[str, float]:
         """More atol per tensor for a plan: a multiple of eager's own error
         (empty where `spread` is)."""
-        k = PHASED_SLACK if trains_batch_norm(self.model, self.mode) else SPREAD_SLACK
+        k = PHASED_SLACK if normalizes_by_batch(self.model, self.mode) else SPREAD_SLACK
         return {name: k * v for name, v in self.spread().items()}
 
     def check(self, runner: Callable, *, rtol=RTOL, atol=ATOL, rel_atol: float = 0.0,
               slack: dict[str, float] | None = None) -> StepCheck:
         """``runner``'s step against eager's. ``slack``: more atol per tensor; by
-        default `slack()` for a model training BatchNorm, else none."""
-        if slack is None and trains_batch_norm(self.model, self.mode):
+        default `slack()` for a model normalizing by its batch, else none."""
+        if slack is None and normalizes_by_batch(self.model, self.mode):
             slack = self.slack()
         self.restore()
         torch.manual_seed(self.seed)

@@ -162,13 +162,19 @@ FORMS = {
     "BatchNorm1d on NCL": lambda: (_conv_bn(nn.Conv1d(3, 4, 3), nn.BatchNorm1d(4)),
                                    (4, 3, 10), (4, 4, 8)),
     "BatchNorm1d, batch 2": lambda: (_conv_bn(nn.Linear(3, 4), nn.BatchNorm1d(4)), (2, 3), (2, 4)),
+    # InstanceNorm is ATen's batch norm of the [1, N*C, ...] view: phases too
+    "InstanceNorm2d": lambda: (_conv_bn(nn.Conv2d(3, 4, 3), nn.InstanceNorm2d(4, affine=True)),
+                               (4, 3, 8, 8), (4, 4, 6, 6)),
+    "InstanceNorm2d, running stats": lambda: (
+        _conv_bn(nn.Conv2d(3, 4, 3), nn.InstanceNorm2d(4, track_running_stats=True)),
+        (4, 3, 8, 8), (4, 4, 6, 6)),
 }
 
 
 @pytest.mark.parametrize("form", sorted(FORMS))
 def test_batch_norm_forms_equal_eager_in_phases(form):
-    """Cumulative averages (momentum None), 1-d and 3-d BatchNorm, a batch of 2:
-    written in phases, and the step (running statistics and the batch count
+    """Cumulative averages (momentum None), 1-d and 3-d BatchNorm, a batch of 2,
+    InstanceNorm: written in phases, and the step (running statistics and the batch count
     included) equals eager's at the simulated peak."""
     torch.manual_seed(0)
     model, xs, ts = FORMS[form]()
