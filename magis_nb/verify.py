@@ -157,8 +157,12 @@ class Reference:
     buffers, no grads) and puts it back afterwards.
     """
 
-    def __init__(self, model: nn.Module, inputs: tuple, loss_fn, mode: str, seed: int = 0):
+    def __init__(self, model: nn.Module, inputs: tuple, loss_fn, mode: str, seed: int = 0,
+                 phased: bool | None = None):
+        """``phased``: the program computes normalizations in phases (Note
+        [phased BatchNorm's rounding]); None: guessed from the model's norms."""
         self.model, self.inputs, self.loss_fn, self.mode, self.seed = model, inputs, loss_fn, mode, seed
+        self.phased = normalizes_by_batch(model, mode) if phased is None else phased
         self.start = ModelSnapshot.of(model)
         self.ref = copy.deepcopy(model)
         for p in self.ref.parameters():
@@ -179,7 +183,7 @@ class Reference:
         if self._spread is None:
             self._spread = {}
             params = list(self.ref.parameters())
-            wide_t = _wider(params, list(self.ref.buffers()), normalizes_by_batch(self.model, self.mode))
+            wide_t = _wider(params, list(self.ref.buffers()), self.phased)
             if wide_t is not None and _room_for_wide_copy(params, self.eager_peak):
                 self.restore()
                 wide = copy.deepcopy(self.model).to(wide_t)
@@ -210,14 +214,14 @@ class Reference:
     def slack(self) -> dict[str, float]:
         """More atol per tensor for a plan: a multiple of eager's own error
         (empty where `spread` is)."""
-        k = PHASED_SLACK if normalizes_by_batch(self.model, self.mode) else SPREAD_SLACK
+        k = PHASED_SLACK if self.phased else SPREAD_SLACK
         return {name: k * v for name, v in self.spread().items()}
 
     def check(self, runner: Callable, *, rtol=RTOL, atol=ATOL, rel_atol: float = 0.0,
               slack: dict[str, float] | None = None) -> StepCheck:
         """``runner``'s step against eager's. ``slack``: more atol per tensor; by
         default `slack()` for a model normalizing by its batch, else none."""
-        if slack is None and normalizes_by_batch(self.model, self.mode):
+        if slack is None and self.phased:
             slack = self.slack()
         self.restore()
         torch.manual_seed(self.seed)

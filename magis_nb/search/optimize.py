@@ -12,6 +12,7 @@ from ..analysis.ftrans import divisors
 from ..analysis.spatial import region_rank, tiles_name
 from ..capture import CaptureError
 from ..distributed import BucketComm
+from ..ir.phased_norm import PHASED_TARGETS
 from ..program import trace
 from ..runtime import OptimizedModule
 from ..simulate.cost import make_cost
@@ -418,7 +419,8 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
     if _should_verify(verify, model, inputs, before.peak):
         try:
             safety = SafetyNet(model, inputs, loss_fn, mode, seed,
-                               low_precision=_low_precision(g))
+                               low_precision=_low_precision(g),
+                               phased=any(n.target in PHASED_TARGETS for n in g.ops))
         except Exception as e:  # noqa: BLE001
             raise PlanError(f"eager PyTorch's own step failed on these inputs ({type(e).__name__}: "
                             f"{e}); the plans cannot be checked against it: fix the model or "

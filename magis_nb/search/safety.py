@@ -90,12 +90,12 @@ class SafetyNet:
     """Eager's step once; each plan's module held against it, once."""
 
     def __init__(self, model: nn.Module, inputs, loss_fn, mode: str, seed: int = 0,
-                 low_precision: bool = False):
+                 low_precision: bool = False, phased: bool | None = None):
         self.model = model
         self.tol = dict(rtol=LOW_RTOL, atol=ATOL, rel_atol=LOW_REL_ATOL) if low_precision \
             else dict(rtol=RTOL, atol=ATOL, rel_atol=REL_ATOL)
         with torch.random.fork_rng(devices=[]):
-            self.ref = Reference(model, inputs, loss_fn, mode, seed)
+            self.ref = Reference(model, inputs, loss_fn, mode, seed, phased=phased)
             # empty for an fp32 model on the CPU (Note [eager's own error])
             self.slack = self.ref.slack()
         self.done: dict[int, PlanFailure | None] = {}
