@@ -55,12 +55,13 @@ def substitute(target: str, name: str, fn: Callable, op: Callable) -> None:
     on [8, 16, 64, 64]: 172 us through ``torch.ops``, 53 us called directly),
     a twentieth of a tiny U-Net's step at 18 BatchNorms.
 
-    Under a TorchDispatchMode (the CPU memory tracker) the op runs through
-    ``op`` instead: the mode then sees one op and its outputs, as it does for
+    Under a TorchDispatchMode (the CPU memory tracker) or torch.compile the op
+    runs through ``op`` instead: the mode then sees one op and its outputs, as it does for
     an ATen kernel, not the small per-channel temporaries inside it, which
     the memory model does not count either."""
     def run(*args, **kwargs):
-        if torch._C._len_torch_dispatch_stack():
+        # compiled (a plan under torch.compile), the op is what dynamo traces
+        if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
             return op(*args, **kwargs)
         return fn(*args, **kwargs)
 
