@@ -96,6 +96,12 @@ PHASED_SLACK = 4.0
 # (down.3.1.3.weight, whose largest gradient is 3e-5). A difference of rounding
 # is no smaller than the rounding, so such a model's checks give each tensor
 # PHASED_SLACK times eager's error against an fp64 copy as more atol.
+# Eager's error on one tensor can be far below the model's level, by luck: a
+# base-8 U-Net at batch 1, 256 px, training, has eager's fp32 gradients within
+# 0.75% of fp64's on its worst tensor but within 2e-6 on down.0.1.3.weight,
+# where the program (equal to eager to 3e-14 in fp64) is 0.6% off; its worst
+# tensor is 2.6% off. So each tensor's allowance is floored at eager's worst
+# relative error on any tensor, times the tensor's own largest magnitude.
 
 
 def _wider(params: list[torch.Tensor], buffers: list[torch.Tensor],
@@ -172,6 +178,7 @@ class Reference:
                         model_baseline(self.ref, inputs))
         self.out, self.eager_peak = m.result, m.peak
         self._spread: dict[str, float] | None = None
+        self._scale: dict[str, float] = {}      # each tensor's largest magnitude (wide step)
 
     def spread(self) -> dict[str, float]:
         """Eager's own error, per tensor: the largest difference between this
@@ -205,6 +212,7 @@ class Reference:
                     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) \
                             and a.shape == b.shape and a.numel():
                         self._spread[name] = (a.detach().double() - b.detach().double()).abs().max().item()
+                        self._scale[name] = b.detach().double().abs().max().item()
         return self._spread
 
     def restore(self) -> None:
@@ -215,7 +223,15 @@ class Reference:
         """More atol per tensor for a plan: a multiple of eager's own error
         (empty where `spread` is)."""
         k = PHASED_SLACK if self.phased else SPREAD_SLACK
-        return {name: k * v for name, v in self.spread().items()}
+        spread = self.spread()
+        if not self.phased:
+            return {name: k * v for name, v in spread.items()}
+        # Note [phased BatchNorm's rounding]: eager's worst relative error on
+        # any tensor is the model's rounding level; a tensor eager happens to
+        # get almost exactly right gets no less than that level of its scale
+        level = max((v / self._scale[n] for n, v in spread.items() if self._scale.get(n)),
+                    default=0.0)
+        return {name: k * max(v, level * self._scale.get(name, 0.0)) for name, v in spread.items()}
 
     def check(self, runner: Callable, *, rtol=RTOL, atol=ATOL, rel_atol: float = 0.0,
               slack: dict[str, float] | None = None) -> StepCheck:

@@ -264,3 +264,22 @@ def test_random_conv_bn_chains_split_between_phases_are_exact(data):
         chk = ref.check(split.module())
         assert chk.comparison.allclose, chk.comparison.mismatches
         assert chk.measured_peak == split.simulate().peak
+
+
+def test_a_tensor_eager_gets_right_by_luck_gets_the_models_rounding_level():
+    """Base-8 U-Net, batch 1, 256 px: eager's fp32 gradient of down.0.1.3.weight
+    is within 2e-6 of fp64's (its worst tensor: 0.75%), the program's 0.6% off
+    (equal to eager to 3e-14 in fp64). The unoptimized program raised "differs
+    from eager" before the allowance had a model-wide floor (Note [phased
+    BatchNorm's rounding])."""
+    from magis_nb.zoo.losses import cross_entropy
+    from magis_nb.zoo.unet import UNet
+    torch.manual_seed(0)
+    model = UNet(8, 4, 2, norm=True)
+    x, y = torch.randn(1, 3, 256, 256), torch.randint(0, 2, (1, 256, 256))
+    prog = trace(model, (x, y), loss_fn=cross_entropy)
+    ref = Reference(model, (x, y), cross_entropy, "train")
+    chk = ref.check(prog.module())
+    assert chk.comparison.allclose, chk.comparison.mismatches
+    spread = ref.spread()
+    assert spread["grad down.0.1.3.weight"] < 1e-3 * max(spread.values())

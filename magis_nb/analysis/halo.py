@@ -58,6 +58,11 @@ class Window:
     edits: Callable[[int], list]
     pad: float | None = None
     dense: bool = True                          # the kernel wants its input contiguous
+    # an op with outputs summed over the tiles (a convolution's weight
+    # gradient, Note [gradients in tiles]): a tile owns a band [a, e) of the
+    # rows of input ``sum_own`` and reads ``sum_need(a, e)`` of the other
+    sum_need: Callable[[int, int], tuple[int, int]] | None = None
+    sum_own: int | None = None
 
 
 def _pow2(x: float) -> bool:
@@ -88,6 +93,38 @@ def _conv(node: Node, b: Bound, ins, outs, d: int) -> Window | None:
         return max(lo, 0), min(hi, H_in)
 
     return Window((x,), need_t, lambda lo: lo * s - p, lambda size: [("padding", i, 0)])
+
+
+def _grad_conv(node: Node, b: Bound, ins, outs, d: int) -> Window | None:
+    """``convolution_backward``, in the gather form of Note [gradients in
+    tiles]. Of a convolution: grad_input's rows [a, e) are what the
+    grad_output rows whose windows reach them add up (a transposed convolution
+    of those rows); a tile owns a band of grad_output for the weight gradient
+    and reads the input window the band was made from. Of a transposed
+    convolution, the other way round: grad_input's rows are a convolution of
+    grad_output's window, and a tile owns a band of the input."""
+    g, x = b.t("grad_output"), b.t("input")
+    if g is None or x is None or not _image(ins[x], d) or not _image(ins[g], d):
+        return None
+    i = d - 2
+    k, s, p, dil = ins[b.t("weight")][d], b["stride"][i], b["padding"][i], b["dilation"][i]
+    reach = dil * (k - 1)
+
+    def window(a, e):           # a convolution's input rows for its output rows [a, e)
+        return a * s - p, (e - 1) * s + reach + 1 - p
+
+    def reached(size):          # the rows of ``size`` whose windows reach rows [a, e)
+        def need(a, e):
+            lo = max(-((-(a + p - reach)) // s), 0)
+            hi = min((e - 1 + p) // s + 1, size)
+            return lo, max(hi, lo)
+        return need
+
+    if b["transposed"]:
+        return Window((g, x), window, lambda lo: (lo + p) // s, lambda size: [("padding", i, 0)],
+                      0.0, sum_need=window, sum_own=x)
+    return Window((g, x), reached(ins[g][d]), lambda lo: lo * s - p,
+                  lambda size: [("padding", i, 0)], 0.0, sum_need=window, sum_own=g)
 
 
 def _pool(node: Node, b: Bound, ins, outs, d: int) -> Window | None:
@@ -201,6 +238,14 @@ def _batch_norm_eval(node, b, ins, outs, d):
     return None if w is None else Window(w.inputs, w.need, w.origin, w.edits, dense=True)
 
 
+def _bn_elemt(node, b, ins, outs, d):
+    """BatchNorm's elementwise phases (Note [BatchNorm in phases]): the image
+    inputs (x; dy and x for the backward) by rows, the statistics whole."""
+    img = (0,) if node.target == "magis_nb.bn_elemt.default" else (0, 1)
+    w = _same(node, b, ins, outs, d, only=img)
+    return None if w is None else Window(w.inputs, w.need, w.origin, w.edits, dense=True)
+
+
 def _cat(node, b, ins, outs, d):
     from .dims_base import norm_dim
     if norm_dim(b["dim"], len(outs[0])) == d:
@@ -214,6 +259,11 @@ ELEMENTWISE = {
     "aten.gelu.default", "aten.tanh.default", "aten.hardtanh.default", "aten.leaky_relu.default",
     "aten.neg.default", "aten.clone.default", "aten.hardswish.default", "aten.elu.default",
     "aten.add.Scalar", "aten.mul.Scalar", "aten.clamp.default", "aten.where.self",
+    # a training step's backward, elementwise too
+    "aten.threshold_backward.default", "aten.sigmoid_backward.default",
+    "aten.tanh_backward.default", "aten.silu_backward.default", "aten.gelu_backward.default",
+    "aten.hardtanh_backward.default", "aten.leaky_relu_backward.default",
+    "aten.hardswish_backward.default",
 }
 
 RULES: dict[str, Callable] = {
@@ -228,6 +278,9 @@ RULES: dict[str, Callable] = {
     "aten._native_batch_norm_legit_no_training.default": _batch_norm_eval,
     "aten.constant_pad_nd.default": _pad,
     "aten.cat.default": _cat,
+    "aten.convolution_backward.default": _grad_conv,
+    "magis_nb.bn_elemt.default": _bn_elemt,
+    "magis_nb.bn_backward_elemt.default": _bn_elemt,
     **{t: _same for t in ELEMENTWISE},
 }
 
@@ -235,7 +288,8 @@ RULES: dict[str, Callable] = {
 # ops whose window is wider than their own rows, or shifted: a region without
 # one is elementwise along the image, which the D-Graph's equal slices split
 # already (and the generated code loops over)
-HALO_TARGETS = frozenset(t for t, fn in RULES.items() if fn not in (_same, _cat, _batch_norm_eval))
+HALO_TARGETS = frozenset(t for t, fn in RULES.items()
+                         if fn not in (_same, _cat, _batch_norm_eval, _bn_elemt))
 
 
 def window(node: Node, in_shapes, out_shapes, d: int, indices_read: bool = False) -> Window | None:

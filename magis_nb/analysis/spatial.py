@@ -26,10 +26,31 @@ have the tile's shapes, so the latency model prices the halo), and so does
 the memory model. Tiles are not looped in the generated code: their slice
 offsets and paddings differ.
 
-Only regions without a backward are offered (inference, `mode="infer"`): the
-backward of a windowed op (transposed windows for the input gradient, sums
-over tiles for the weight gradient) has no rules yet. Random numbers and a
-max pool's indices read later are barriers.
+Random numbers and a max pool's indices read later are barriers.
+
+Note [gradients in tiles]
+A training step tiles its backward (the forward's tensors are what the
+backward reads, kept whole; a region of forward ops alone would lower no
+peak). The backward is tiled in the same gather form as the forward: each op
+makes exactly its own rows of its output from a window of its inputs, so every
+row a tile makes equals the whole op's, and nothing overlapping needs adding
+up. Elementwise backward ops (ReLU's threshold_backward, BatchNorm's
+bn_backward_elemt) read their rows. A convolution's grad_input rows [a, e)
+are what the grad_output rows whose windows reach them add up: a transposed
+convolution of those rows (padding 0 along the split dim; rows made beyond the
+band narrowed away, rows no output reaches padded with zeros); a transposed
+convolution's grad_input is, the other way round, a convolution of
+grad_output's window. Weight and bias gradients are sums: each tile owns one
+equal band of grad_output (of a transposed convolution: of its input) and adds
+``convolution_backward`` of that band and the window it pairs with into a
+full-size sum made before the first tile, so every (input row, output row)
+pair counts once. A transposed convolution's bias sums grad_output's bands
+apart: its rows that no input reaches (a stride wider than the kernel, an
+output padding) add to the bias alone.
+What a tile region stops at: BatchNorm's reductions (their sums must be whole
+before bn_backward_elemt reads them), a max pool's backward (its indices
+index the whole image), and the ops without rules (upsampling's backward,
+the loss's).
 """
 from __future__ import annotations
 
@@ -57,8 +78,15 @@ def tiles_name(dims, rank: int = 4) -> str:
 
 
 def region_rank(g: Graph, ops) -> int:
-    """The rank of a tiled region's images (its first op's output)."""
-    return len(g.nodes[min(ops)].outputs[0].shape)
+    """The rank of a tiled region's images (its first op's output, or the
+    grad_output of a convolution's backward that makes no grad_input)."""
+    node = g.nodes[min(ops)]
+    if node.outputs[0] is None:
+        return len(g.tensor(node.refs()[0]).shape)
+    return len(node.outputs[0].shape)
+
+
+GRAD_CONV = "aten.convolution_backward.default"
 
 
 @dataclass
@@ -67,7 +95,8 @@ class Tiling:
     ops: frozenset[int]
     dims: tuple[int, ...]
     wins: dict[int, dict[int, Window]]        # op -> dim -> window
-    outputs: list[Ref]
+    outputs: list[Ref]                        # made in bands, tile by tile
+    sums: list[Ref] = ()                      # summed over the tiles (weight gradients)
 
 
 def _shapes(g: Graph, node: Node):
@@ -79,7 +108,8 @@ def _shapes(g: Graph, node: Node):
 def op_windows(g: Graph, v: int, dims, readers=None) -> dict[int, Window] | None:
     """Op ``v``'s window along each of ``dims``, or None where one has no rule."""
     node = g.nodes[v]
-    if node.kind != "op" or not node.outputs or node.outputs[0] is None:
+    if node.kind != "op" or not node.outputs \
+            or (node.outputs[0] is None and node.target != GRAD_CONV):
         return None
     readers = g.readers() if readers is None else readers
     idx_read = len(node.outputs) > 1 and node.outputs[1] is not None \
@@ -119,18 +149,47 @@ def tiling(g: Graph, ops, dims) -> Tiling | str:
             if r.node not in ops and any(j in wins[v][d].inputs for d in dims) \
                     and len(g.tensor(r).shape) != rank:
                 return f"{node.name} reads a windowed input of another rank"
-    outs = region_outputs(g, ops)
-    for r in outs:
+    outs, sums = [], []
+    for r in region_outputs(g, ops):
+        if r.out != 0 and g.nodes[r.node].target == GRAD_CONV:
+            sums.append(r)
+            continue
         if r.out != 0:
             return f"{g.nodes[r.node].name}'s output {r.out} leaves the region"
         if g.tensor(r).alias is not None:
             return f"{g.nodes[r.node].name}'s output is a view"
-    return Tiling(ops, tuple(dims), wins, outs)
+        outs.append(r)
+    return Tiling(ops, tuple(dims), wins, outs, sums)
+
+
+def _banded(g: Graph, t: Tiling) -> list[Ref]:
+    """The tensors cut into n equal bands per split dim: the region's outputs,
+    and the grad_output of each summed op (the band a tile adds up)."""
+    out = list(t.outputs)
+    for v in sorted(t.ops):
+        node = g.nodes[v]
+        if node.target == GRAD_CONV:
+            out.append(node.refs()[t.wins[v][t.dims[0]].sum_own])
+            if _bias_apart(node):
+                out.append(node.refs()[0])
+    return out
+
+
+def _bias_apart(node: Node) -> bool:
+    """A transposed convolution's bias gradient sums grad_output's bands apart
+    from the weight's (which sums the input's bands): rows no input reaches
+    (a stride wider than the kernel, an output padding) add to the bias alone."""
+    b = Bound(node)
+    return bool(b["transposed"] and b["output_mask"][2])
+
+
+def _band(shape, dims, n: int, tile) -> dict[int, tuple[int, int]]:
+    return {d: (tile[i] * shape[d] // n, (tile[i] + 1) * shape[d] // n) for i, d in enumerate(dims)}
 
 
 def max_tiles(g: Graph, t: Tiling) -> int:
     L = 0
-    for r in t.outputs:
+    for r in _banded(g, t):
         for d in t.dims:
             L = math.gcd(L, g.tensor(r).shape[d])
     cap = MAX_TILES[len(t.dims)]
@@ -141,7 +200,7 @@ def check(g: Graph, ops, dims, n: int) -> str | None:
     t = tiling(g, ops, dims)
     if isinstance(t, str):
         return t
-    for r in t.outputs:
+    for r in _banded(g, t):
         for d in t.dims:
             if g.tensor(r).shape[d] % n:
                 name = DIM_NAMES[len(g.tensor(r).shape)][d - 2]
@@ -149,26 +208,59 @@ def check(g: Graph, ops, dims, n: int) -> str | None:
     return None
 
 
-def tile_ranges(g: Graph, t: Tiling, n: int, tile: tuple[int, ...]) -> dict[int, dict[int, tuple[int, int]]]:
+def input_needs(g: Graph, t: Tiling, v: int, rng, n: int, tile) -> dict[int, dict]:
+    """The rows (per split dim, padding rows included) that op ``v`` reads in
+    tile ``tile`` of each input it windows, for its output rows ``rng`` (None:
+    the tile needs none of them); a summed op also reads its band of
+    grad_output and the input window that band was made from."""
+    node, wins = g.nodes[v], t.wins[v]
+    refs = node.refs()
+    needs = {}
+    if node.target != GRAD_CONV:
+        if rng is not None:
+            for j in range(len(refs)):
+                wd = [d for d in t.dims if j in wins[d].inputs]
+                if wd:
+                    needs[j] = {d: wins[d].need(*rng[d]) for d in wd}
+        return needs
+    b = Bound(node)
+    gi, xi, mask = b.t("grad_output"), b.t("input"), b["output_mask"]
+    if rng is not None and mask[0]:
+        needs[gi] = {d: wins[d].need(*rng[d]) for d in t.dims}
+    if mask[1] or mask[2]:
+        oi = wins[t.dims[0]].sum_own
+        own = _band(g.tensor(refs[oi]).shape, t.dims, n, tile)
+        for j, rows in ((oi, own), (xi if oi == gi else gi,
+                                    {d: wins[d].sum_need(*own[d]) for d in t.dims})):
+            had = needs.get(j, rows)
+            needs[j] = {d: (min(had[d][0], rows[d][0]), max(had[d][1], rows[d][1]))
+                        for d in t.dims}
+        if _bias_apart(node):
+            own = _band(g.tensor(refs[gi]).shape, t.dims, n, tile)
+            had = needs[gi]
+            needs[gi] = {d: (min(had[d][0], own[d][0]), max(had[d][1], own[d][1]))
+                         for d in t.dims}
+    return needs
+
+
+def tile_ranges(g: Graph, t: Tiling, n: int, tile: tuple[int, ...]) -> dict[int, dict | None]:
     """Each op's output rows (per split dim) that tile ``tile`` computes; ops the
-    tile does not need are absent."""
-    exact = {}
-    for r in t.outputs:
-        shape = g.tensor(r).shape
-        exact[r.node] = {d: (tile[i] * shape[d] // n, (tile[i] + 1) * shape[d] // n)
-                         for i, d in enumerate(t.dims)}
-    want: dict[int, dict[int, tuple[int, int]]] = {v: dict(e) for v, e in exact.items()}
+    tile does not need are absent (a summed op runs in every tile: None when
+    the tile wants none of its output 0)."""
+    want: dict[int, dict[int, tuple[int, int]]] = {
+        r.node: _band(g.tensor(r).shape, t.dims, n, tile) for r in t.outputs}
     out = {}
     for v in sorted(t.ops, reverse=True):
         rng = want.get(v)
-        if rng is None:
+        if rng is None and g.nodes[v].target != GRAD_CONV:
             continue
         out[v] = rng
-        node = g.nodes[v]
-        for j, r in enumerate(node.refs()):
+        refs = g.nodes[v].refs()
+        for j, rows in input_needs(g, t, v, rng, n, tile).items():
+            r = refs[j]
             if r.node not in t.ops:
                 continue
-            rows = _inside(t.wins[v], rng, g.tensor(r).shape)
+            rows = _clip(rows, g.tensor(r).shape)
             if rows is None:
                 continue        # the reader's window is padding alone here
             got = want.setdefault(r.node, {})
@@ -177,12 +269,10 @@ def tile_ranges(g: Graph, t: Tiling, n: int, tile: tuple[int, ...]) -> dict[int,
     return out
 
 
-def _inside(wins: dict[int, Window], rng: dict, size) -> dict | None:
-    """The input rows (per split dim) a reader's window needs inside the input;
-    None when along some dim it needs padding rows alone."""
+def _clip(rows: dict, size) -> dict | None:
+    """``rows`` inside the input; None when along some dim they are padding alone."""
     out = {}
-    for d, w in wins.items():
-        lo, hi = w.need(*rng[d])
+    for d, (lo, hi) in rows.items():
         lo, hi = max(lo, 0), min(hi, size[d])
         if hi <= lo:
             return None
@@ -253,81 +343,84 @@ class _Tiles:
         self.full_st[r] = st
         return full_result(self.b, t, st, self.key(0, 0), node.name + "_full", node.category)
 
+    def fetch(self, r: Ref, rows: dict, w0: Window, k: int, name: str, cat: str) -> Ref:
+        """Input ``r``'s ``rows`` (per windowed dim, padding rows included) for
+        tile ``k``: a slice of its producer's tile or of the whole input, padded
+        with ``w0.pad`` beyond the image, made contiguous where the kernel wants."""
+        g, t = self.g, self.t
+        full = g.tensor(r).shape
+        clip = _clip(rows, full)
+        if clip is None:
+            # nothing but padding rows: the tile makes them (a conv's first
+            # output row may read only its top padding)
+            shape = [rows[d][1] - rows[d][0] if d in rows else s for d, s in enumerate(full)]
+            tt = g.tensor(r)
+            fid = self.add("aten.full.default", aten.full.default, [shape, w0.pad],
+                           {"dtype": tt.dtype, "layout": torch.strided,
+                            "device": torch.device("cpu"), "pin_memory": False},
+                           [tensor_info(shape, tt)], k, f"{name}_pad{k}", cat)
+            return Ref(fid, 0)
+        if r.node in t.ops:
+            src, shape = self.made[r.node], self.shape_of(self.made[r.node])
+            for d in rows:
+                src, shape = self.narrow(src, g.tensor(r), shape, d,
+                                         clip[d][0] - self.rng[r.node][d][0],
+                                         clip[d][1] - clip[d][0], k, f"{name}_h{k}", cat)
+        else:
+            sk = (r, tuple(sorted(clip.items())))
+            if sk not in self.sliced:
+                src, shape = External(r.node, r.out), tuple(full)
+                for d in rows:
+                    src, shape = self.narrow(src, g.tensor(r), shape, d, clip[d][0],
+                                             clip[d][1] - clip[d][0], k,
+                                             f"{g.nodes[r.node].name}_t{k}",
+                                             g.nodes[r.node].category)
+                self.sliced[sk] = src
+            src = self.sliced[sk]
+            shape = self.shape_of(src)
+        pads = {d: (clip[d][0] - rows[d][0], rows[d][1] - clip[d][1]) for d in rows}
+        if any(pads[d] != (0, 0) for d in rows):
+            return self.pad(src, g.tensor(r), shape, pads, w0.pad, k, f"{name}_pad{k}", cat)
+        if w0.dense and self.is_view(src):
+            cid = self.add("aten.clone.default", aten.clone.default, [src],
+                           {"memory_format": torch.contiguous_format},
+                           [tensor_info(shape, g.tensor(r))], k, f"{name}_d{k}", cat)
+            return Ref(cid, 0)
+        return src
+
+    def pad(self, src: Ref, like: TensorInfo, shape, pads: dict, value, k, name, cat) -> Ref:
+        """``constant_pad_nd`` by (before, after) rows per dim; negative crops."""
+        flat = []
+        for d in reversed(range(2, len(shape))):
+            flat += list(pads.get(d, (0, 0)))
+        shape = tuple(s + sum(pads.get(d, (0, 0))) for d, s in enumerate(shape))
+        pid = self.add("aten.constant_pad_nd.default", aten.constant_pad_nd.default,
+                       [src, flat, value], {}, [tensor_info(shape, like)], k, name, cat)
+        return Ref(pid, 0)
+
     def run_tile(self, k: int, tile: tuple[int, ...], dest: dict[Ref, int],
                  writes: dict[Ref, list[int]]) -> None:
         g, t = self.g, self.t
-        rng = tile_ranges(g, t, self.n, tile)
-        made: dict[int, Ref] = {}           # op -> its tile output 0 (rows rng[op])
-        sliced: dict[tuple, Ref] = {}       # (region input, rows) -> its slice
+        self.rng = rng = tile_ranges(g, t, self.n, tile)
+        self.made = made = {}               # op -> its tile output 0 (rows rng[op])
+        self.sliced = {}                    # (region input, rows) -> its slice
         for v in self.ops:
             if v not in rng:
                 continue
             node = g.nodes[v]
-            refs = node.refs()
+            if node.target == GRAD_CONV:
+                self.grad_conv(v, tile, k, dest, writes)
+                continue
+            needs = input_needs(g, t, v, rng[v], self.n, tile)
             new_refs = []
-            lo_fed = {}
-            for j, r in enumerate(refs):
-                # the dims this input is windowed along: all of them, or, for an
-                # input broadcast along some (rotary tables: [1, S, 1, D]), the rest
-                wd = [d for d in t.dims if j in t.wins[v][d].inputs]
-                if not wd:
+            for j, r in enumerate(node.refs()):
+                if j not in needs:
                     new_refs.append(External(r.node, r.out))
                     continue
-                full = g.tensor(r).shape
-                need = {d: t.wins[v][d].need(*rng[v][d]) for d in wd}
-                clip = _inside({d: t.wins[v][d] for d in wd}, rng[v], full)
-                w0 = t.wins[v][wd[0]]
-                if clip is None:
-                    # nothing but padding rows: the tile makes them (a conv's
-                    # first output row may read only its top padding)
-                    shape = [need[d][1] - need[d][0] if d in need else s for d, s in enumerate(full)]
-                    tt = g.tensor(r)
-                    fid = self.add("aten.full.default", aten.full.default, [shape, w0.pad],
-                                   {"dtype": tt.dtype, "layout": torch.strided,
-                                    "device": torch.device("cpu"), "pin_memory": False},
-                                   [tensor_info(shape, tt)], k, f"{node.name}_pad{k}", node.category)
-                    lo_fed[j] = {d: need[d][0] for d in wd}
-                    new_refs.append(Ref(fid, 0))
-                    continue
-                if r.node in t.ops:
-                    src, shape = made[r.node], self.shape_of(made[r.node])
-                    for d in wd:
-                        src, shape = self.narrow(src, g.tensor(r), shape, d,
-                                                 clip[d][0] - rng[r.node][d][0],
-                                                 clip[d][1] - clip[d][0], k,
-                                                 f"{node.name}_h{k}", node.category)
-                else:
-                    sk = (r, tuple(sorted(clip.items())))
-                    if sk not in sliced:
-                        src, shape = External(r.node, r.out), tuple(full)
-                        for d in wd:
-                            src, shape = self.narrow(src, g.tensor(r), shape, d, clip[d][0],
-                                                     clip[d][1] - clip[d][0], k,
-                                                     f"{g.nodes[r.node].name}_t{k}",
-                                                     g.nodes[r.node].category)
-                        sliced[sk] = src
-                    src = sliced[sk]
-                    shape = self.shape_of(src)
-                pads = {d: (clip[d][0] - need[d][0], need[d][1] - clip[d][1]) for d in wd}
-                if any(pads[d] != (0, 0) for d in wd):
-                    flat = []
-                    for d in reversed(range(2, len(shape))):
-                        flat += list(pads.get(d, (0, 0)))
-                    shape = tuple(s + sum(pads.get(d, (0, 0))) for d, s in enumerate(shape))
-                    pid = self.add("aten.constant_pad_nd.default", aten.constant_pad_nd.default,
-                                   [src, flat, w0.pad], {}, [tensor_info(shape, g.tensor(r))], k,
-                                   f"{node.name}_pad{k}", node.category)
-                    src = Ref(pid, 0)
-                elif w0.dense and self.is_view(src):
-                    cid = self.add("aten.clone.default", aten.clone.default, [src],
-                                   {"memory_format": torch.contiguous_format},
-                                   [tensor_info(shape, g.tensor(r))], k, f"{node.name}_d{k}",
-                                   node.category)
-                    src = Ref(cid, 0)
-                lo_fed[j] = {d: need[d][0] for d in wd}   # padding rows included
-                new_refs.append(src)
+                w0 = t.wins[v][next(iter(needs[j]))]
+                new_refs.append(self.fetch(r, needs[j], w0, k, node.name, node.category))
             # per dim, the rows fed by an input windowed along it (each op has one)
-            fed = {d: next(j for j in lo_fed if d in lo_fed[j]) for d in t.dims}
+            fed = {d: next(j for j in needs if d in needs[j]) for d in t.dims}
             size = {d: self.shape_of(new_refs[fed[d]])[d] for d in t.dims}
             args, kwargs = self.edited(node, size)
             it = iter(new_refs)
@@ -346,7 +439,7 @@ class _Tiles:
             self.b.nodes[nid].multi = node.multi
             out, shape = Ref(nid, 0), shapes[0]
             for d in t.dims:
-                first = t.wins[v][d].origin(lo_fed[fed[d]][d])
+                first = t.wins[v][d].origin(needs[fed[d]][d][0])
                 a, e = rng[v][d]
                 out, shape = self.narrow(out, node.outputs[0], shape, d, a - first, e - a, k,
                                          f"{node.name}_o{k}", node.category)
@@ -364,6 +457,111 @@ class _Tiles:
                 dst, dshape = self.narrow(dst, full, dshape, d, a, e - a, k, f"{nm}_w{k}", cat)
             writes[r].append(self.add("aten.copy_.default", aten.copy_.default, [dst, src], {},
                                       [tensor_info(dshape, full, alias=dst)], k, f"{nm}_c{k}", cat))
+
+    def grad_conv(self, v: int, tile, k: int, dest: dict[Ref, int],
+                  writes: dict[Ref, list[int]]) -> None:
+        """A convolution's backward in tile ``k`` (Note [gradients in tiles]):
+        its grad_input rows by a transposed convolution of the grad_output rows
+        that reach them, its weight and bias gradients from the band of
+        grad_output the tile owns, added into their sums."""
+        g, t, node = self.g, self.t, self.g.nodes[v]
+        b = Bound(node)
+        refs = node.refs()
+        gi, xi = b.t("grad_output"), b.t("input")
+        mask = b["output_mask"]
+        wins = t.wins[v]
+        weight = External(refs[b.t("weight")].node, refs[b.t("weight")].out)
+        stride, dil = list(b["stride"]), list(b["dilation"])
+        padding = list(b["padding"])
+        padding = padding * (len(stride) // len(padding))
+        nm, cat = node.name, node.category
+        x_shape = g.tensor(refs[xi]).shape
+        w_shape = g.tensor(refs[b.t("weight")]).shape
+        # split dims have padding 0: a tile's window carries its own padding rows
+        pad0 = [0 if i + 2 in t.dims else p for i, p in enumerate(padding)]
+        rng = self.rng[v]
+        if rng is not None and mask[0]:
+            rows = {d: wins[d].need(*rng[d]) for d in t.dims}
+            gin = node.outputs[0]
+            band = [rng[d][1] - rng[d][0] if d in rng else s for d, s in enumerate(gin.shape)]
+            if any(hi <= lo for lo, hi in rows.values()):
+                # no output row reaches these rows (a stride wider than the kernel)
+                zid = self.add("aten.full.default", aten.full.default, [band, 0.0],
+                               {"dtype": gin.dtype, "layout": torch.strided,
+                                "device": torch.device("cpu"), "pin_memory": False},
+                               [tensor_info(band, gin)], k, f"{nm}_z{k}", cat)
+                self.made[v] = Ref(zid, 0)
+            else:
+                src = self.fetch(refs[gi], rows, wins[t.dims[0]], k, nm, cat)
+                # a convolution's grad_input is a transposed convolution of
+                # grad_output, with output padding for the rows along unsplit
+                # dims that no output reaches; a transposed one's, a convolution
+                opad = [0 if i + 2 in t.dims or b["transposed"] else
+                        (x_shape[i + 2] + 2 * padding[i] - dil[i] * (w_shape[i + 2] - 1) - 1) % stride[i]
+                        for i in range(len(stride))]
+                args = [src, weight, None, stride, pad0, dil, not b["transposed"], opad, b["groups"]]
+                shape = self.part_shapes_of(aten.convolution.default, args)
+                cid = self.add("aten.convolution.default", aten.convolution.default, args, {},
+                               [tensor_info(shape, gin)], k, f"{nm}_gt{k}", cat)
+                out, shape = Ref(cid, 0), tuple(shape)
+                # made rows start at lo*s - p: narrow to the band, or (rows past
+                # the last one any output reaches) pad with zeros
+                crop = {d: (wins[d].origin(rows[d][0]) - rng[d][0],
+                            rng[d][1] - wins[d].origin(rows[d][0]) - shape[d]) for d in t.dims}
+                if all(a <= 0 and e <= 0 for a, e in crop.values()):
+                    for d in t.dims:
+                        out, shape = self.narrow(out, gin, shape, d, -crop[d][0],
+                                                 rng[d][1] - rng[d][0], k, f"{nm}_o{k}", cat)
+                else:
+                    out = self.pad(out, gin, shape, crop, 0.0, k, f"{nm}_o{k}", cat)
+                self.made[v] = out
+        if not (mask[1] or mask[2]):
+            return
+        # the band this tile owns of one input (grad_output; a transposed
+        # convolution's input), and the window of the other it pairs with
+        oi = wins[t.dims[0]].sum_own
+        own = _band(g.tensor(refs[oi]).shape, t.dims, self.n, tile)
+        other = {d: wins[d].sum_need(*own[d]) for d in t.dims}
+        src = {oi: self.fetch(refs[oi], own, wins[t.dims[0]], k, nm, cat)}
+        pj = xi if oi == gi else gi
+        src[pj] = self.fetch(refs[pj], other, wins[t.dims[0]], k, nm, cat)
+        opad = list(b["output_padding"])
+        opad = [0 if i + 2 in t.dims else o for i, o in enumerate(opad * (len(stride) // len(opad)))]
+        apart = _bias_apart(node)
+        part = {}               # output index -> this tile's part of it
+        if mask[1] or not apart:
+            mk = [False, mask[1], mask[2] and not apart]
+            args = [src[gi], src[xi], weight, b["bias_sizes"], stride, pad0, dil,
+                    b["transposed"], opad, b["groups"], mk]
+            outs = [None] + [tt if mk[i] else None for i, tt in enumerate(node.outputs) if i]
+            nid = self.add(GRAD_CONV, node.op, args, {}, outs, k, f"{nm}_t{k}", cat)
+            self.b.nodes[nid].multi = True
+            part = {i: Ref(nid, i) for i in (1, 2) if mk[i]}
+        if apart:
+            gb = node.outputs[2]
+            band = self.fetch(refs[gi], _band(g.tensor(refs[gi]).shape, t.dims, self.n, tile),
+                              wins[t.dims[0]], k, nm, cat)
+            sid = self.add("aten.sum.dim_IntList", aten.sum.dim_IntList,
+                           [band, [0] + list(range(2, len(x_shape)))], {}, [gb], k,
+                           f"{nm}_db{k}", cat)
+            part[2] = Ref(sid, 0)
+        for r in t.sums:
+            if r.node == v:
+                tt = g.tensor(r)
+                a = Ref(dest[r], 0)
+                writes[r].append(self.add("aten.add_.Tensor", aten.add_.Tensor, [a, part[r.out]],
+                                          {}, [tensor_info(tt.shape, tt, alias=a)], k,
+                                          f"{nm}_add{k}", cat))
+
+    def part_shapes_of(self, op, args) -> tuple:
+        """The shape of ``op`` on ``args`` (proto refs), on the meta device."""
+        mk = lambda r, _k: torch.empty(self.shape_of(r), dtype=self.dtype_of(r), device="meta")  # noqa: E731
+        return tuple(op(*map_refs(tuple(args), mk, [0])).shape)
+
+    def dtype_of(self, r: Ref):
+        if isinstance(r, External):
+            return self.g.tensor(Ref(r.node, r.out)).dtype
+        return self.b.nodes[r.node].outputs[r.out].dtype
 
     def is_view(self, r: Ref) -> bool:
         if isinstance(r, External):
@@ -398,7 +596,16 @@ def expand_tiles(b: ProtoBuilder, g: Graph, ops, dims, n: int, rid: int, joined:
         raise ValueError(f"invalid tiled region: {t}")
     x = _Tiles(b, g, t, n, rid)
     dest = {r: x.allocate(r) for r in t.outputs}
-    writes: dict[Ref, list[int]] = {r: [] for r in t.outputs}
+    for r in t.sums:
+        # every tile adds its part into a sum made before the first
+        tt, node = g.tensor(r), g.nodes[r.node]
+        st = x.full_st[r] = tuple(contiguous(tt.shape))
+        dest[r] = b.op("aten.full.default", aten.full.default, [list(tt.shape), 0.0],
+                       {"dtype": tt.dtype, "layout": torch.strided, "device": torch.device("cpu"),
+                        "pin_memory": False},
+                       [tensor_info(tt.shape, tt, stride=st)], x.key(0, 0), node.name + "_acc",
+                       node.category)
+    writes: dict[Ref, list[int]] = {r: [] for r in t.outputs + list(t.sums)}
     prev = None
     for k, tile in enumerate(product(range(n), repeat=len(dims))):
         first = len(b.nodes)
@@ -406,7 +613,7 @@ def expand_tiles(b: ProtoBuilder, g: Graph, ops, dims, n: int, rid: int, joined:
         if prev is not None:
             order_after(b, first, prev)
         prev = len(b.nodes) - 1
-    for r in t.outputs:
+    for r in t.outputs + list(t.sums):
         tt, node = g.tensor(r), g.nodes[r.node]
         j = b.op("aten.alias.default", aten.alias.default, [Ref(dest[r], 0)], {},
                  [tensor_info(tt.shape, tt, alias=Ref(dest[r], 0), stride=x.full_st[r])], x.key(2, 0),
@@ -420,20 +627,27 @@ def spatial_candidates(g: Graph, hotspots: dict[Ref, int], start: int,
     """F-Tree candidates that tile image regions (Note [tiles with halos]): every
     maximal convex, connected set of ops with window rules, split along its
     first image dim alone and along all of them, numbered from ``start``, scored
-    by the ``hotspots`` they split (as `build_ftree`). None for a graph with a backward.
+    by the ``hotspots`` they split (as `build_ftree`). In a training step, of the
+    backward's ops alone (Note [gradients in tiles]).
     ``halo_only``: only regions with an op whose window is wider than its rows
     (`halo.HALO_TARGETS`); elementwise regions the D-Graph splits already."""
-    from .ftree import Candidate
+    from .ftree import Candidate, forward_ops
     ops = [n.id for n in g.ops]
-    if not ops or any(role and role[0] == "loss" for role in g.output_roles):
+    if not ops:
         return []
+    fwd = forward_ops(g) if any(role and role[0] == "loss" for role in g.output_roles) else set()
     hot_by_op: dict[int, int] = {}
     for r, size in hotspots.items():
         hot_by_op[r.node] = hot_by_op.get(r.node, 0) + size
     rd = g.readers()
     able: dict[int, tuple[int, dict]] = {}       # op -> (rank, its windows)
     for v in ops:
-        out0 = g.nodes[v].outputs[0] if g.nodes[v].outputs else None
+        if v in fwd:
+            continue
+        node = g.nodes[v]
+        out0 = node.outputs[0] if node.outputs else None
+        if node.target == GRAD_CONV and node.refs():
+            out0 = g.tensor(node.refs()[0])       # its image: grad_output's rank
         dims = spatial_dims(len(out0.shape)) if out0 is not None else ()
         w = op_windows(g, v, dims, rd) if dims else None
         if w is not None:
@@ -447,8 +661,16 @@ def spatial_candidates(g: Graph, hotspots: dict[Ref, int], start: int,
                     and all(j in wd.inputs for wd in w.values()):
                 linked |= {v, r.node}
     out = []
-    for piece in weak_pieces(g, linked):
-        region = frozenset(piece - reentered(g, piece))
+    regions, todo = [], list(weak_pieces(g, linked))
+    while todo:
+        # the ops a path out of a piece re-enters (those after a BatchNorm's
+        # reduction in the backward) make pieces of their own
+        piece = frozenset(todo.pop())
+        again = reentered(g, piece)
+        regions.append(piece - again)
+        if again and again != piece:
+            todo += weak_pieces(g, again)
+    for region in regions:
         for sub in weak_pieces(g, region):
             sub = frozenset(sub)
             if len(sub) < 2 or (halo_only and

@@ -178,7 +178,8 @@ class Space:
             hot = program.hotspots()
             self.cands = build_ftree(self.dg, hot, levels=levels)
             add_pack_twins(self.dg, self.cands)
-            # inference only: image regions in tiles (Note [tiles with halos])
+            # image regions in tiles (Note [tiles with halos]); in training,
+            # of the backward (Note [gradients in tiles])
             self.cands += spatial_candidates(self.base, hot, len(self.cands))
         self._fission: dict[tuple, Graph] = {}
         self.evaluated = 0
