@@ -113,6 +113,36 @@ def test_convolution_backward_tiles_its_input_gradient_and_sums_its_weights():
     assert {dims for _, dims, *_ in got} == {(2,), (2, 3)}
 
 
+def test_the_backward_tiles_remake_the_relu_and_normalize_they_read():
+    """Batch 1, conv -> BN -> ReLU twice: a backward tile region remakes its rows
+    of the ReLU and BatchNorm's normalize from the convolution's output (kept
+    for BatchNorm's backward anyway), so the ReLU's output dies in the forward:
+    the simulated (= measured) peak drops."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Conv2d(8, 2, 3, padding=1))
+    x = torch.randn(1, 3, 64, 64)
+    prog, got = tiled_steps(model, x, torch.randn(1, 2, 64, 64), max_n=4)
+    g = prog.graph
+    rec = {c.recompute for c in spatial_candidates(g, {}, 0)}
+    remade = {g.nodes[v].target for r in rec for v in r}
+    assert {"aten.relu.default", "magis_nb.bn_elemt.default"} <= remade
+    assert min(peak for *_, peak in got) < prog.simulate().peak
+
+
+def test_the_search_offers_training_tiles_only_when_asked():
+    from magis_nb.search.space import Space
+    from magis_nb.simulate.cost import make_cost
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 2, 3, padding=1))
+    prog = trace(model, (torch.randn(1, 2, 32, 32), torch.randn(1, 2, 32, 32)), loss_fn=F.mse_loss)
+    cost = make_cost("rtx3090")
+    tiled = lambda sp: [c for c in sp.cands if c.tiles]  # noqa: E731
+    assert not tiled(Space(prog, cost, async_copies=True))
+    assert tiled(Space(prog, cost, async_copies=True, tiles=True))
+
+
 def test_forward_ops_are_not_tiled_in_a_training_step():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.ReLU(), nn.Conv2d(2, 2, 3, padding=1))

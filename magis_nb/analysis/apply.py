@@ -71,7 +71,7 @@ def apply_fission(dg: DGraph, regions: Iterable[FTrans]) -> Graph:
         proto[n.id] = b.add(_copy(n), (n.id, 0, 0, 0))
     for i, f in enumerate(regions):
         if f.tiles:
-            expand_tiles(b, g, f.ops, f.tiles, f.n, i, joined)
+            expand_tiles(b, g, f.ops, f.tiles, f.n, i, joined, f.recompute)
         else:
             _expand_region(b, dg, f, i, plans[i], joined, shared[i], packs)
 
@@ -164,7 +164,7 @@ def _owners(dg: DGraph, regions: list[FTrans]) -> dict[int, int]:
     overlapping region."""
     owner: dict[int, int] = {}
     for i, f in enumerate(regions):
-        why = check_tiles(dg.graph, f.ops, f.tiles, f.n) if f.tiles \
+        why = check_tiles(dg.graph, f.ops, f.tiles, f.n, f.recompute) if f.tiles \
             else check(dg, f.ops, f.comp, f.n, f.recompute)
         if why:
             raise ValueError(f"invalid fission region {i}: {why}")

@@ -61,7 +61,7 @@ from itertools import product
 import torch
 
 from ..ir.graph import Graph, Node, Ref, Region, TensorInfo, contiguous, iter_refs, map_refs
-from .ftrans import reentered, region_outputs, weak_pieces
+from .ftrans import recompute_reads, reentered, region_outputs, weak_pieces
 from .halo import HALO_TARGETS, Window, spatial_dims, window
 from .dims_base import Bound
 from .proto import (External, ProtoBuilder, full_result, full_stride, layout_seen, order_after,
@@ -97,6 +97,13 @@ class Tiling:
     wins: dict[int, dict[int, Window]]        # op -> dim -> window
     outputs: list[Ref]                        # made in bands, tile by tile
     sums: list[Ref] = ()                      # summed over the tiles (weight gradients)
+    # forward ops each tile remakes its rows of (Note [gradients in tiles])
+    recompute: frozenset[int] = frozenset()
+
+    @property
+    def split(self) -> frozenset[int]:
+        """The ops each tile runs: the region's and the forward ops it remakes."""
+        return self.ops | self.recompute
 
 
 def _shapes(g: Graph, node: Node):
@@ -124,11 +131,14 @@ def op_windows(g: Graph, v: int, dims, readers=None) -> dict[int, Window] | None
     return got
 
 
-def tiling(g: Graph, ops, dims) -> Tiling | str:
-    """The region's windows, or why it cannot be tiled along ``dims``."""
-    ops = frozenset(ops)
+def tiling(g: Graph, ops, dims, recompute=frozenset()) -> Tiling | str:
+    """The region's windows, or why it cannot be tiled along ``dims``
+    (``recompute``: forward ops each tile remakes its rows of)."""
+    ops, recompute = frozenset(ops), frozenset(recompute)
     if not ops:
         return "empty region"
+    if ops & recompute:
+        return "an op both in the region and recomputed"
     if len(weak_pieces(g, ops)) != 1:
         return "not weakly connected"
     if reentered(g, ops):
@@ -136,15 +146,19 @@ def tiling(g: Graph, ops, dims) -> Tiling | str:
     rd = g.readers()
     rank = region_rank(g, ops)
     wins = {}
-    for v in ops:
+    split = ops | recompute
+    for v in split:
         w = op_windows(g, v, dims, rd)
         if w is None:
             return f"{g.nodes[v].name} has no window rule along dims {dims}"
         wins[v] = w
-    for v in ops:
+    for v in recompute:
+        if g.nodes[v].target == GRAD_CONV or len(g.nodes[v].outputs[0].shape) != rank:
+            return f"{g.nodes[v].name} cannot be remade in tiles"
+    for v in split:
         node = g.nodes[v]
         for j, r in enumerate(node.refs()):
-            if r.node in ops and (r.out != 0 or any(j not in wins[v][d].inputs for d in dims)):
+            if r.node in split and (r.out != 0 or any(j not in wins[v][d].inputs for d in dims)):
                 return f"{node.name} reads a tensor of the region whole"
             if r.node not in ops and any(j in wins[v][d].inputs for d in dims) \
                     and len(g.tensor(r).shape) != rank:
@@ -159,7 +173,7 @@ def tiling(g: Graph, ops, dims) -> Tiling | str:
         if g.tensor(r).alias is not None:
             return f"{g.nodes[r.node].name}'s output is a view"
         outs.append(r)
-    return Tiling(ops, tuple(dims), wins, outs, sums)
+    return Tiling(ops, tuple(dims), wins, outs, sums, recompute)
 
 
 def _banded(g: Graph, t: Tiling) -> list[Ref]:
@@ -196,8 +210,8 @@ def max_tiles(g: Graph, t: Tiling) -> int:
     return max([k for k in range(1, cap + 1) if L % k == 0], default=1)
 
 
-def check(g: Graph, ops, dims, n: int) -> str | None:
-    t = tiling(g, ops, dims)
+def check(g: Graph, ops, dims, n: int, recompute=frozenset()) -> str | None:
+    t = tiling(g, ops, dims, recompute)
     if isinstance(t, str):
         return t
     for r in _banded(g, t):
@@ -250,7 +264,8 @@ def tile_ranges(g: Graph, t: Tiling, n: int, tile: tuple[int, ...]) -> dict[int,
     want: dict[int, dict[int, tuple[int, int]]] = {
         r.node: _band(g.tensor(r).shape, t.dims, n, tile) for r in t.outputs}
     out = {}
-    for v in sorted(t.ops, reverse=True):
+    split = t.split
+    for v in sorted(split, reverse=True):
         rng = want.get(v)
         if rng is None and g.nodes[v].target != GRAD_CONV:
             continue
@@ -258,7 +273,7 @@ def tile_ranges(g: Graph, t: Tiling, n: int, tile: tuple[int, ...]) -> dict[int,
         refs = g.nodes[v].refs()
         for j, rows in input_needs(g, t, v, rng, n, tile).items():
             r = refs[j]
-            if r.node not in t.ops:
+            if r.node not in split:
                 continue
             rows = _clip(rows, g.tensor(r).shape)
             if rows is None:
@@ -285,8 +300,8 @@ class _Tiles:
 
     def __init__(self, b: ProtoBuilder, g: Graph, t: Tiling, n: int, rid: int):
         self.b, self.g, self.t, self.n, self.rid = b, g, t, n, rid
-        self.ops = sorted(t.ops)
-        self.last = self.ops[-1]
+        self.ops = sorted(t.split)               # the remade forward ops first
+        self.last = max(t.ops)
         self.count = n ** len(t.dims)
         self.seq = 0
         self.meta: dict = {}
@@ -360,7 +375,7 @@ class _Tiles:
                             "device": torch.device("cpu"), "pin_memory": False},
                            [tensor_info(shape, tt)], k, f"{name}_pad{k}", cat)
             return Ref(fid, 0)
-        if r.node in t.ops:
+        if r.node in t.split:
             src, shape = self.made[r.node], self.shape_of(self.made[r.node])
             for d in rows:
                 src, shape = self.narrow(src, g.tensor(r), shape, d,
@@ -589,9 +604,10 @@ class _Tiles:
         return b.replace(**new)
 
 
-def expand_tiles(b: ProtoBuilder, g: Graph, ops, dims, n: int, rid: int, joined: dict) -> None:
+def expand_tiles(b: ProtoBuilder, g: Graph, ops, dims, n: int, rid: int, joined: dict,
+                 recompute=frozenset()) -> None:
     """Add the tiled region's parts to ``b``; its outputs' full results go into ``joined``."""
-    t = tiling(g, ops, dims)
+    t = tiling(g, ops, dims, recompute)
     if isinstance(t, str):
         raise ValueError(f"invalid tiled region: {t}")
     x = _Tiles(b, g, t, n, rid)
@@ -623,19 +639,22 @@ def expand_tiles(b: ProtoBuilder, g: Graph, ops, dims, n: int, rid: int, joined:
 
 
 def spatial_candidates(g: Graph, hotspots: dict[Ref, int], start: int,
-                       halo_only: bool = True) -> list:
+                       halo_only: bool = True, train: bool = True) -> list:
     """F-Tree candidates that tile image regions (Note [tiles with halos]): every
     maximal convex, connected set of ops with window rules, split along its
     first image dim alone and along all of them, numbered from ``start``, scored
     by the ``hotspots`` they split (as `build_ftree`). In a training step, of the
-    backward's ops alone (Note [gradients in tiles]).
+    backward's ops alone (Note [gradients in tiles]); none there with ``train=False``.
     ``halo_only``: only regions with an op whose window is wider than its rows
     (`halo.HALO_TARGETS`); elementwise regions the D-Graph splits already."""
-    from .ftree import Candidate, forward_ops
+    from .ftree import Candidate, forward_ops, late_readers
     ops = [n.id for n in g.ops]
     if not ops:
         return []
     fwd = forward_ops(g) if any(role and role[0] == "loss" for role in g.output_roles) else set()
+    if fwd and not train:
+        return []
+    late = late_readers(g, fwd) if fwd else {}
     hot_by_op: dict[int, int] = {}
     for r, size in hotspots.items():
         hot_by_op[r.node] = hot_by_op.get(r.node, 0) + size
@@ -678,16 +697,55 @@ def spatial_candidates(g: Graph, hotspots: dict[Ref, int], start: int,
                 continue
             every = spatial_dims(region_rank(g, sub))
             for dims in sorted({(2,), every}, key=len):
-                t = tiling(g, sub, dims)
+                rec = tile_recompute(g, sub, dims, fwd, late, rd) if fwd else frozenset()
+                t = tiling(g, sub, dims, rec)
                 if isinstance(t, str):
                     continue
                 top = max_tiles(g, t)
                 if top < 2:
                     continue
-                heat = sum(hot_by_op.get(v, 0) for v in sub)
+                # the forward tensors it remakes are no longer kept for it
+                heat = sum(hot_by_op.get(v, 0) for v in sub | rec)
                 # eq. 4's gain at the least split: 2 parts along each dim
                 score = (1 - 1 / 2 ** len(dims)) * heat
                 c = Candidate(start + len(out), sub, -1, min(sub), 1, score, heat, top,
-                              tiles=dims)
+                              tiles=dims, recompute=rec, reads=recompute_reads(g, rec),
+                              outs=frozenset(region_outputs(g, sub)))
                 out.append(c)
     return out
+
+
+def tile_recompute(g: Graph, region: frozenset[int], dims, fwd: set[int],
+                   late: dict[Ref, set[int]], readers=None) -> frozenset[int]:
+    """Note [gradients in tiles]: the forward ops whose outputs a backward tile
+    region reads by rows and nothing else in the backward reads, and so on
+    upward while that holds and they have window rules: each tile remakes its
+    rows of them (a ReLU and BatchNorm's normalize from the convolution's
+    output, which BatchNorm's backward keeps anyway), and their whole outputs
+    die in the forward instead of waiting for the backward."""
+    rank = region_rank(g, region)
+    wins = {v: op_windows(g, v, dims, readers) for v in region}
+    returned = set(g.outputs)
+    rec: set[int] = set()
+    todo = sorted(region, reverse=True)
+    while todo:
+        v = todo.pop()
+        if wins.get(v) is None:
+            continue
+        for j, r in enumerate(g.nodes[v].refs()):
+            p = r.node
+            if p in rec or p in region or p not in fwd or r.out != 0 or r in returned \
+                    or any(j not in wins[v][d].inputs for d in dims) \
+                    or not late.get(r, set()) <= region:
+                continue
+            node = g.nodes[p]
+            if node.target == GRAD_CONV or node.outputs[0] is None \
+                    or len(node.outputs[0].shape) != rank:
+                continue
+            w = op_windows(g, p, dims, readers)
+            if w is None:
+                continue
+            wins[p] = w
+            rec.add(p)
+            todo.append(p)
+    return frozenset(rec)

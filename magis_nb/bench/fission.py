@@ -4,9 +4,10 @@ storage tracker) and held against eager PyTorch (fp32, rtol 1e-4, atol 1e-5; a
 split that misses that tolerance is re-checked in float64, rtol 1e-7, to tell a
 wrong program from amplified fp32 rounding: column fp64).
 
-``--infer``: each model's inference in eval mode instead (``mode="infer"``, the
-target left out), whose candidates include the image regions tiled along height
-and along height and width (Note [tiles with halos] in analysis/spatial.py)."""
+Image regions tiled along height and along height and width are among the
+candidates: a training step's backward (Note [gradients in tiles] in
+analysis/spatial.py) and, with ``--infer``, each model's inference in eval mode
+instead (``mode="infer"``, the target left out; Note [tiles with halos])."""
 from __future__ import annotations
 
 import time
@@ -37,8 +38,8 @@ def _fp64_checker(name: str, prog, seed: int):
     dg64 = DGraph(p64.graph)
     ref64 = Reference(model, inputs, case.loss_fn, "train", seed)
 
-    def check(ops, comp, n):
-        split = p64.with_graph(apply_fission(dg64, [FTrans(ops, comp, n)]))
+    def check(f: FTrans):
+        split = p64.with_graph(apply_fission(dg64, [f]))
         return ref64.check(split.module(), rtol=1e-7, atol=1e-10).comparison.allclose
     return check
 
@@ -55,8 +56,7 @@ def fission_rows(name: str, *, max_candidates: int | None = None, ns=("2", "max"
     dg = DGraph(prog.graph)
     hot = prog.hotspots()
     cands = build_ftree(dg, hot)
-    if infer:
-        cands += spatial_candidates(prog.graph, hot, len(cands))
+    cands += spatial_candidates(prog.graph, hot, len(cands))
     ref = Reference(case.model, inputs, loss_fn, mode, seed)
     base = ref.check(prog.module())
     info = {"model": name, "components": len(dg.components),
@@ -76,7 +76,7 @@ def fission_rows(name: str, *, max_candidates: int | None = None, ns=("2", "max"
             exact64 = None
             if not chk.comparison.allclose and not infer:
                 fp64 = fp64 or _fp64_checker(name, prog, seed)
-                exact64 = fp64(c.ops, c.comp, n) if fp64 else None
+                exact64 = fp64(c.ftrans(n)) if fp64 else None
             rows.append({
                 "model": name, "candidate": c.id, "level": c.level,
                 "dim": tiles_name(c.tiles, region_rank(prog.graph, c.ops)) if c.tiles

@@ -316,7 +316,7 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
              time_budget: float = 60.0, device_profile=None, seed: int = 0,
              progress: Callable[[Progress], object] | None = None,
              max_states: int | None = None, algebra: bool = True,
-             fission: bool = True, swap: bool | None = None,
+             fission: bool = True, swap: bool | None = None, tiles: bool | None = None,
              verify: bool | None = None, process_group=None, comm_link=None,
              bucket_cap_mb: float | None = None) -> OptimizeResult:
     """Capture ``model``'s step on ``inputs`` and search for a plan within a budget.
@@ -334,7 +334,11 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
     the plan then runs the model's own ops, only re-ordered, split, recomputed
     or swapped. ``fission=False`` leaves out the F-Tree (no region is split):
     for a program that `torch.compile` will compile, which does not keep a
-    split program's memory (see `bench.peers_compile`).
+    split program's memory (see `bench.peers_compile`). ``tiles``: image regions
+    split into tiles along height and width; None offers them for inference,
+    True in a training step's backward too (Note [gradients in tiles]: exact,
+    but no search has yet been measured to gain from them there, and they cost
+    it time: docs/fission.md), False nowhere.
 
     ``swap`` (default: only when planning for a GPU: CUDA inputs or a GPU
     ``device_profile``) lets plans park activations in host memory. On the CPU,
@@ -385,7 +389,7 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
             dp, pick_cap = data_parallel(process_group, inputs, comm_link, bucket_cap_mb)
         try:
             space = Space(program, cost, async_copies=async_copies, algebra=algebra,
-                          fission=fission, swap=swap, comm=dp)
+                          fission=fission, swap=swap, comm=dp, tiles=tiles)
             # The program as PyTorch runs it: its order, nothing applied.
             g = program.graph
             base_order = program.to_node_order(program.program_order())

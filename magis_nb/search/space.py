@@ -161,7 +161,7 @@ class Space:
 
     def __init__(self, program: Program, cost, *, async_copies: bool, levels: int = 4,
                  algebra: bool = True, fission: bool = True, swap: bool = True,
-                 comm: DataParallel | None = None):
+                 comm: DataParallel | None = None, tiles: bool | None = None):
         self.program = program
         self.comm = comm            # data parallel: gradient buckets priced in every state
         self.algebra = algebra      # kill switch for the merge/sink rules (proposals)
@@ -178,9 +178,12 @@ class Space:
             hot = program.hotspots()
             self.cands = build_ftree(self.dg, hot, levels=levels)
             add_pack_twins(self.dg, self.cands)
-            # image regions in tiles (Note [tiles with halos]); in training,
-            # of the backward (Note [gradients in tiles])
-            self.cands += spatial_candidates(self.base, hot, len(self.cands))
+            # image regions in tiles (Note [tiles with halos]); a training
+            # step's backward ones when asked (Note [gradients in tiles]): no
+            # search measured so far gains from them, and they cost it time
+            if tiles is not False:
+                self.cands += spatial_candidates(self.base, hot, len(self.cands),
+                                                 train=bool(tiles))
         self._fission: dict[tuple, Graph] = {}
         self.evaluated = 0
 
