@@ -122,19 +122,19 @@ class _Builder:
         cap = self.space.program.captured
         dp = self.space.comm
         if dp is None:
-            return OptimizedModule(self.model, cap, st.graph, st.order)
+            return OptimizedModule(self.model, cap, *st.runs)
         g, order, _ = self.space.bucketed(st.graph, st.order)
         comm = BucketComm(dp.group) if self.live else None
         return OptimizedModule(self.model, cap, g, order, comm=comm)
 
     def timeline(self, plan: Plan) -> Timeline:
         st: State = plan.state
-        g = st.graph
+        g, order = st.runs
         mg, op_ids, _ = g.memgraph()
         index = {nid: i for i, nid in enumerate(op_ids)}
-        tl = simulate_memory(mg, [index[v] for v in st.order])
-        steps = len(st.order)
-        pos = {v: i for i, v in enumerate(st.order)}
+        tl = simulate_memory(mg, [index[v] for v in order])
+        steps = len(order)
+        pos = {v: i for i, v in enumerate(order)}
         host = [0] * steps
         stores, loads = swap_ops(g)
         last_load: dict[int, int] = {}
@@ -146,7 +146,7 @@ class _Builder:
             for i in range(pos[s], last_load.get(s, steps - 1) + 1):
                 host[i] += nb
         spans: dict[int, list[int]] = {}
-        for v in st.order:
+        for v in order:
             reg = g.nodes[v].region
             if reg:
                 sp = spans.setdefault(reg[0], [pos[v], pos[v]])
@@ -400,7 +400,10 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
                     choose_cap(space, g, base_order)
                 latency, tl_dp, *_ = space.with_buckets(g, base_order)
                 peak = tl_dp.peak
-            before = State((), (), g, [], base_order, peak, latency, [], 0)
+            meta = {}
+            if space.phased:    # as it runs: Note [whole phases run as one kernel]
+                peak, latency, meta = space.fused(g, base_order, peak, latency)
+            before = State((), (), g, [], base_order, peak, latency, [], 0, meta=meta)
             root = space.evaluate((), (), g)
         except Exception as e:  # noqa: BLE001
             raise PlanError(_bug("analysing the program", e, hint=True)) from e

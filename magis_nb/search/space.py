@@ -23,6 +23,8 @@ from ..analysis.ftree import add_pack_twins
 from ..distributed import DataParallel, add_buckets
 from ..ir.digest import graph_digest
 from ..ir.graph import Graph, Ref, Region
+from ..ir.phase_fusion import fuse_whole_phases
+from ..ir.phased_norm import PHASED_TARGETS
 from ..ir.passes import written_in_place
 from ..program import Program
 from ..rules.algebra import merge_all, why_not_merge
@@ -89,6 +91,13 @@ class State:
     @property
     def key(self) -> tuple:
         return (self.plan, self.batches)
+
+    @property
+    def runs(self) -> tuple[Graph, list[int]]:
+        """The graph and order a module of this state runs: its own, or with its
+        whole BatchNorms as ATen's kernels (Note [whole phases run as one
+        kernel]), which its peak and latency are then of."""
+        return self.meta.get("runs") or (self.graph, self.order)
 
 
 class _CostTable:
@@ -186,6 +195,8 @@ class Space:
                                                  train=bool(tiles))
         self._fission: dict[tuple, Graph] = {}
         self.evaluated = 0
+        # Note [whole phases run as one kernel]: states are priced as they run
+        self.phased = comm is None and any(n.target in PHASED_TARGETS for n in self.base.ops)
 
     # -- graphs -----------------------------------------------------------------
     def plan_ops(self, plan: tuple) -> int:
@@ -256,11 +267,15 @@ class Space:
             tl0 = simulate_memory(mg, s.order)
             live = [tl0.live[i] for i, v in enumerate(nodes) if not _moves(graph, v)]
             nodes = place_transfers(graph, nodes, dur, self.costs.transfer_cost, live)
+        meta = {}
         if self.comm is not None:
             latency, tl, mg, refs, _ = self.with_buckets(graph, nodes)
         else:
             latency = self._latency(graph, nodes)
             tl = simulate_memory(mg, [index[v] for v in nodes])
+        peak = tl.peak
+        if self.phased:
+            peak, latency, meta = self.fused(graph, nodes, peak, latency)
         hot = []
         for i in tl.hotspots:
             st = mg.storages[i]
@@ -269,10 +284,27 @@ class Space:
                 hot.append((st.size, r))
         hot.sort(key=lambda t: (-t[0], t[1].node, t[1].out))
         self.evaluated += 1
-        return State(plan, batches, graph, s.names, nodes, tl.peak, latency, hot,
+        return State(plan, batches, graph, s.names, nodes, peak, latency, hot,
                      tl.peak_steps[0] if tl.peak_steps else 0,
                      digest if digest is not None else graph_digest(graph),
-                     0 if parent is None else parent.depth + 1)
+                     0 if parent is None else parent.depth + 1, meta)
+
+    def fused(self, graph: Graph, nodes: list[int], peak: int, latency: float
+              ) -> tuple[int, float, dict]:
+        """(peak, latency, meta) of the order with its whole BatchNorms as ATen's
+        kernels (Note [whole phases run as one kernel]) where that is no higher
+        and no slower; else the order's own, and no meta."""
+        out = fuse_whole_phases(graph, nodes)
+        if out is None:
+            return peak, latency, {}
+        g2, n2 = out
+        mg2, ids2, _ = g2.memgraph()
+        index2 = {nid: i for i, nid in enumerate(ids2)}
+        peak2 = simulate_memory(mg2, [index2[v] for v in n2]).peak
+        latency2 = self._latency(g2, n2)
+        if peak2 <= peak and latency2 <= latency:
+            return peak2, latency2, {"runs": (g2, n2)}
+        return peak, latency, {}
 
     def _latency(self, graph: Graph, nodes: list[int], comms=()) -> float:
         if self.async_copies or comms:

@@ -1,0 +1,90 @@
+"""Whole BatchNorm phases run as ATen's kernels (Note [whole phases run as one
+kernel] in ir/phase_fusion.py): exact, measured = simulated, and what the
+search prices."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import magis_nb
+from magis_nb.ir.phase_fusion import fuse_whole_phases
+from magis_nb.ir.phased_norm import PHASED_TARGETS
+from magis_nb.program import trace
+from magis_nb.runtime import OptimizedModule
+from magis_nb.verify import Reference
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+
+
+def _net(affine=True, momentum=0.1):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8, affine=affine, momentum=momentum),
+                         nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8, affine=affine),
+                         nn.ReLU(), nn.Conv2d(8, 2, 1))
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_fused_program_is_eagers_step_at_its_simulated_peak(affine):
+    model = _net(affine)
+    x, y = torch.randn(4, 3, 16, 16), torch.randn(4, 2, 16, 16)
+    prog = trace(model, (x, y), loss_fn=F.mse_loss)
+    order = prog.to_node_order(prog.program_order())
+    g2, order2 = fuse_whole_phases(prog.graph, order)
+    assert not any(n.target in PHASED_TARGETS for n in g2.ops)
+    targets = [n.target for n in g2.ops]
+    assert targets.count("aten._native_batch_norm_legit_functional.default") == 2
+    assert targets.count("aten.native_batch_norm_backward.default") == 2
+    fused = prog.with_graph(g2)
+    ref = Reference(model, (x, y), F.mse_loss, "train")
+    mod = OptimizedModule(model, prog.captured, g2, order2)
+    chk = ref.check(mod, slack={})        # ATen's kernels: eager's rounding
+    assert chk.comparison.allclose, chk.comparison.mismatches
+    mg, ids, _ = g2.memgraph()
+    index = {v: i for i, v in enumerate(ids)}
+    from magis_nb.simulate.memory import simulate_memory
+    assert chk.measured_peak == simulate_memory(mg, [index[v] for v in order2]).peak
+    del fused
+
+
+def test_the_search_prices_plans_as_they_run():
+    """The unoptimized plan runs ATen's BatchNorm (eager's time), and every plan
+    the search returns runs what it was priced as."""
+    model = _net()
+    x, y = torch.randn(8, 3, 32, 32), torch.randn(8, 2, 32, 32)
+    res = magis_nb.optimize(model, (x, y), loss_fn=F.mse_loss, device_profile="rtx3090",
+                            lat_budget=1.10, max_states=30)
+    g, order = res.before.state.runs
+    assert not any(n.target in PHASED_TARGETS for n in g.ops)
+    for plan in res.pareto:
+        g, order = plan.state.runs
+        mg, ids, _ = g.memgraph()
+        index = {v: i for i, v in enumerate(ids)}
+        from magis_nb.simulate.memory import simulate_memory
+        assert simulate_memory(mg, [index[v] for v in order]).peak == plan.peak
+    chk = Reference(model, (x, y), F.mse_loss, "train").check(res.module)
+    assert chk.comparison.allclose and chk.measured_peak == res.plan.peak
+
+
+def test_a_split_batch_norm_keeps_its_phases():
+    """A region split through a BatchNorm keeps the phases its parts need;
+    the others are fused."""
+    from magis_nb.analysis import DGraph, apply_fission
+    from magis_nb.analysis.ftree import build_ftree
+    model = _net()
+    x, y = torch.randn(8, 3, 16, 16), torch.randn(8, 2, 16, 16)
+    prog = trace(model, (x, y), loss_fn=F.mse_loss)
+    dg = DGraph(prog.graph)
+    cands = [c for c in build_ftree(dg, prog.hotspots())
+             if any(prog.graph.nodes[v].target in PHASED_TARGETS for v in c.ops)]
+    assert cands
+    split = prog.with_graph(apply_fission(dg, [cands[0].ftrans(2)]))
+    order = split.to_node_order(split.program_order())
+    out = fuse_whole_phases(split.graph, order)
+    g2, order2 = out if out else (split.graph, order)
+    kept = [n for n in g2.ops if n.target in PHASED_TARGETS]
+    assert kept and all(n.region or any(m.region for m in g2.ops) for n in kept)
+    chk = Reference(model, (x, y), F.mse_loss, "train").check(
+        OptimizedModule(model, prog.captured, g2, order2))
+    assert chk.comparison.allclose, chk.comparison.mismatches
