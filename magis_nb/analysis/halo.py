@@ -21,8 +21,11 @@ halo). Each rule here answers, for one op and one spatial dim:
                    value) triples (padding 0 there, output sizes rewritten).
 
 Only tensor inputs listed in ``inputs`` are windowed (weights, biases and norm
-statistics are read whole). Every rule is exact: a part's rows equal the whole
-op's rows bit for bit (tests/test_spatial.py runs each on random shapes). What
+statistics are read whole). Every forward rule is exact: a part's rows equal the
+whole op's rows bit for bit (tests/test_spatial.py runs each on random shapes);
+a convolution's backward (Note [gradients in tiles] in spatial.py) makes its
+rows by another kernel and sums its weight gradient over the tiles, equal to
+rounding (tests/test_spatial_grads.py). What
 has no rule, or a rule's preconditions fail, is a barrier (None): ceil-mode
 average pools, ``count_include_pad=False`` with padding, an ``output_padding``,
 bilinear with ``align_corners=True``, scales that are not powers of two (a
