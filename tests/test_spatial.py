@@ -21,12 +21,14 @@ from magis_nb.zoo.unet import UNet
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
-def tiled_runs(model, x, max_n=4):
-    """Every spatial candidate of ``model``'s inference at every n <= max_n:
-    (dims, n, measured peak, simulated peak). Asserts allclose and peaks equal."""
-    prog = trace(model, (x,), mode="infer")
+def tiled_checks(model, inputs, max_n, loss_fn=None):
+    """Every spatial candidate of ``model``'s step on ``inputs`` (inference, or a
+    training step with ``loss_fn``) at every n <= max_n: the program and
+    [(candidate, n, measured peak, simulated peak)]. Asserts allclose and peaks equal."""
+    mode = "infer" if loss_fn is None else "train"
+    prog = trace(model, inputs, loss_fn=loss_fn, mode=mode)
     dg = DGraph(prog.graph)
-    ref = Reference(model, (x,), None, "infer", 0)
+    ref = Reference(model, inputs, loss_fn, mode, 0)
     got = []
     for c in spatial_candidates(prog.graph, {}, 0):
         for n in range(2, max_n + 1):
@@ -34,10 +36,17 @@ def tiled_runs(model, x, max_n=4):
                 continue
             split = prog.with_graph(apply_fission(dg, [c.ftrans(n)]))
             chk = ref.check(split.module())
+            sim = split.simulate().peak
             assert chk.comparison.allclose, (c.tiles, n, chk.comparison.mismatches)
-            assert chk.measured_peak == split.simulate().peak, (c.tiles, n)
-            got.append((c.tiles, n, chk.measured_peak, split.simulate().peak))
-    return got
+            assert chk.measured_peak == sim, (c.tiles, n)
+            got.append((c, n, chk.measured_peak, sim))
+    return prog, got
+
+
+def tiled_runs(model, x, max_n=4):
+    """`tiled_checks` of ``model``'s inference: (dims, n, measured peak, simulated peak)."""
+    _, got = tiled_checks(model, (x,), max_n)
+    return [(c.tiles, n, measured, sim) for c, n, measured, sim in got]
 
 
 class Chain(nn.Module):

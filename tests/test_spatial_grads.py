@@ -10,31 +10,18 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from magis_nb.analysis import DGraph, apply_fission
 from magis_nb.analysis.spatial import GRAD_CONV, spatial_candidates
 from magis_nb.program import trace
-from magis_nb.verify import Reference
+from test_spatial import tiled_checks
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 def tiled_steps(model, x, target, max_n=3):
-    """Every spatial candidate of ``model``'s training step at every n <= max_n:
-    [(ops, dims, n, measured peak)]. Asserts allclose and measured = simulated."""
-    prog = trace(model, (x, target), loss_fn=F.mse_loss)
-    dg = DGraph(prog.graph)
-    ref = Reference(model, (x, target), F.mse_loss, "train")
-    got = []
-    for c in spatial_candidates(prog.graph, {}, 0):
-        for n in range(2, max_n + 1):
-            if c.max_n % n:
-                continue
-            split = prog.with_graph(apply_fission(dg, [c.ftrans(n)]))
-            chk = ref.check(split.module())
-            assert chk.comparison.allclose, (c.tiles, n, chk.comparison.mismatches)
-            assert chk.measured_peak == split.simulate().peak, (c.tiles, n)
-            got.append((c.ops, c.tiles, n, chk.measured_peak))
-    return prog, got
+    """`tiled_checks` of ``model``'s training step: the program and
+    [(ops, dims, n, measured peak)]."""
+    prog, got = tiled_checks(model, (x, target), max_n, F.mse_loss)
+    return prog, [(c.ops, c.tiles, n, measured) for c, n, measured, _ in got]
 
 
 class Chain(nn.Module):
