@@ -298,9 +298,7 @@ class Space:
         if out is None:
             return peak, latency, {}
         g2, n2 = out
-        mg2, ids2, _ = g2.memgraph()
-        index2 = {nid: i for i, nid in enumerate(ids2)}
-        peak2 = simulate_memory(mg2, [index2[v] for v in n2]).peak
+        peak2 = _simulate(g2, n2)[0].peak
         latency2 = self._latency(g2, n2)
         if peak2 <= peak and latency2 <= latency:
             return peak2, latency2, {"runs": (g2, n2)}
@@ -323,11 +321,16 @@ class Space:
         buckets are ops and storages (their copies, their memory), their
         all_reduces the latency model's third stream (`distributed.buckets`)."""
         g2, order2, buckets = self.bucketed(graph, nodes)
-        mg, op_ids, refs = g2.memgraph()
-        index = {nid: i for i, nid in enumerate(op_ids)}
-        tl = simulate_memory(mg, [index[v] for v in order2])
+        tl, mg, refs = _simulate(g2, order2)
         latency = self._latency(g2, order2, [(b.nbytes, b.node) for b in buckets])
         return latency, tl, mg, refs, g2
+
+
+def _simulate(graph: Graph, order: list[int]):
+    """(timeline, memgraph, storage refs) of ``graph`` run in ``order`` (node ids)."""
+    mg, op_ids, refs = graph.memgraph()
+    index = {nid: i for i, nid in enumerate(op_ids)}
+    return simulate_memory(mg, [index[v] for v in order]), mg, refs
 
 
 def _apply_algebra(g: Graph, batch: Batch) -> tuple[Graph, Batch]:
