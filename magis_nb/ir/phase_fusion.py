@@ -34,38 +34,32 @@ _REDUCE, _BELEMT, _AFFINE = (target(n) for n in ("bn_backward_reduce", "bn_backw
                                                  "bn_backward_affine"))
 
 
-def _readers(g: Graph) -> dict[int, set[int]]:
-    out: dict[int, set[int]] = {}
-    for n in g.nodes:
-        for r in n.refs():
-            out.setdefault(r.node, set()).add(n.id)
-    return out
-
-
 def _groups(g: Graph, order: list[int]) -> tuple[dict[int, tuple], dict[int, tuple]]:
     """Forward groups {bn_elemt id: (stats, finalize, running)} and backward
     groups {bn_backward_elemt id: (reduce, affine or None, [affine's outputs read])}
     that can be fused."""
     pos = {v: i for i, v in enumerate(order)}
-    rd = _readers(g)
     returned = {r.node for r in g.outputs}
     waited = {d for n in g.nodes for d in n.deps}
     ok = lambda v: not g.nodes[v].region and v in pos and v not in waited  # noqa: E731
+    # the readers of an op nothing waits for (the phase ops asked about are
+    # not RNG ops): its successors, which the graph keeps
+    rd = lambda v: set(g.succs(v))  # noqa: E731
 
     def after(v: int, at: int) -> bool:
         # what reads v runs after ``at`` (where v's outputs will be made)
-        return all(w == at or (pos.get(w, -1) > pos[at] and w > at) for w in rd.get(v, ()))
+        return all(w == at or (pos.get(w, -1) > pos[at] and w > at) for w in rd(v))
 
     fwd, bwd = {}, {}
     for s in g.ops:
         if s.target == _STATS and ok(s.id):
-            users = rd.get(s.id, set())
+            users = rd(s.id)
             fin = [w for w in users if g.nodes[w].target == _FIN]
             run = [w for w in users if g.nodes[w].target == _RUN]
             if len(fin) != 1 or len(run) != 1 or users != {fin[0], run[0]}:
                 continue
             f, r = fin[0], run[0]
-            elemts = sorted((w for w in rd.get(f, ()) if g.nodes[w].target == _ELEMT
+            elemts = sorted((w for w in rd(f) if g.nodes[w].target == _ELEMT
                              and w in pos and g.nodes[w].refs()[0] == s.refs()[0]),
                             key=pos.__getitem__)
             if not elemts:
@@ -75,7 +69,7 @@ def _groups(g: Graph, order: list[int]) -> tuple[dict[int, tuple], dict[int, tup
                     and isinstance(g.nodes[r].args[4], float) and after(f, e) and after(r, e):
                 fwd[e] = (s.id, f, r)
         elif s.target == _REDUCE and ok(s.id) and s.id not in returned:
-            users = rd.get(s.id, set())
+            users = rd(s.id)
             el = [w for w in users if g.nodes[w].target == _BELEMT]
             af = [w for w in users if g.nodes[w].target == _AFFINE]
             if len(el) != 1 or len(af) > 1 or users != set(el) | set(af) or not ok(el[0]):
@@ -84,7 +78,7 @@ def _groups(g: Graph, order: list[int]) -> tuple[dict[int, tuple], dict[int, tup
             if a is not None and not (ok(a) and after(a, e)):
                 continue
             used = [a is not None and (Ref(a, i) in g.outputs or any(
-                r == Ref(a, i) for u in rd.get(a, ()) for r in g.nodes[u].refs())) for i in (0, 1)]
+                r == Ref(a, i) for u in rd(a) for r in g.nodes[u].refs())) for i in (0, 1)]
             bwd[e] = (s.id, a, used)
     return fwd, bwd
 
