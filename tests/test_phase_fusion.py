@@ -88,3 +88,31 @@ def test_a_split_batch_norm_keeps_its_phases():
     chk = Reference(model, (x, y), F.mse_loss, "train").check(
         OptimizedModule(model, prog.captured, g2, order2))
     assert chk.comparison.allclose, chk.comparison.mismatches
+
+
+def test_data_parallel_plans_run_batch_norm_as_atens_kernels():
+    """A data parallel space (`process_group`) prices and runs its plans with
+    whole BatchNorms fused too, gradient buckets added to the fused program."""
+    from magis_nb.distributed import DataParallel, nominal_link
+    from magis_nb.search.space import Space
+    from magis_nb.simulate.cost import make_cost
+    from magis_nb.simulate.memory import simulate_memory
+    model = _net()
+    x, y = torch.randn(4, 3, 16, 16), torch.randn(4, 2, 16, 16)
+    prog = trace(model, (x, y), loss_fn=F.mse_loss)
+    space = Space(prog, make_cost("rtx3090"), async_copies=True, fission=False,
+                  comm=DataParallel(None, nominal_link("nvlink", 2), cap=1 << 10))
+    st = space.evaluate((), (), prog.graph)
+    g, order = st.runs
+    assert space.phased and not any(n.target in PHASED_TARGETS for n in g.ops)
+    gb, ob, buckets = space.bucketed(g, order)
+    assert len(buckets) > 1
+    mg, ids, _ = gb.memgraph()
+    index = {v: i for i, v in enumerate(ids)}
+    assert st.peak == simulate_memory(mg, [index[v] for v in ob]).peak
+    # cheaper than the phased program with the same buckets
+    assert st.latency < space.with_buckets(st.graph, st.order)[0]
+    chk = Reference(model, (x, y), F.mse_loss, "train").check(
+        OptimizedModule(model, prog.captured, gb, ob), slack={})
+    assert chk.comparison.allclose, chk.comparison.mismatches
+    assert chk.measured_peak == st.peak

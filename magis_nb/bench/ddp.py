@@ -343,7 +343,7 @@ def _rank_work(rank: int, world: int, port: int, cfg: dict) -> dict | None:
 
     # the all_reduces: exposed in the steps, and blocking, same bucket sizes
     st = res.plan.state
-    buckets = res.builder.space.bucketed(st.graph, st.order)[2]
+    buckets = res.builder.space.bucketed(*st.runs)[2]
     comm = []
     if buckets:
         bufs = [torch.zeros(b.nbytes // b.dtype.itemsize, dtype=b.dtype) for b in buckets]

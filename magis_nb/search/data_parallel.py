@@ -93,7 +93,7 @@ def agree(res, space, builder) -> None:
         res.plan = chosen
         res.message += " (rank 0's plan: every rank runs the same one)"
     st = res.plan.state
-    _, _, buckets = space.bucketed(st.graph, st.order)
+    _, _, buckets = space.bucketed(*st.runs)
     layout = [(b.nbytes, str(b.dtype)) for b in buckets]
     layouts = [None] * dist.get_world_size(dp.group)
     dist.all_gather_object(layouts, layout, group=dp.group)

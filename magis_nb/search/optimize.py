@@ -123,7 +123,7 @@ class _Builder:
         dp = self.space.comm
         if dp is None:
             return OptimizedModule(self.model, cap, *st.runs)
-        g, order, _ = self.space.bucketed(st.graph, st.order)
+        g, order, _ = self.space.bucketed(*st.runs)
         comm = BucketComm(dp.group) if self.live else None
         return OptimizedModule(self.model, cap, g, order, comm=comm)
 

@@ -196,7 +196,7 @@ class Space:
         self._fission: dict[tuple, Graph] = {}
         self.evaluated = 0
         # Note [whole phases run as one kernel]: states are priced as they run
-        self.phased = comm is None and any(n.target in PHASED_TARGETS for n in self.base.ops)
+        self.phased = any(n.target in PHASED_TARGETS for n in self.base.ops)
 
     # -- graphs -----------------------------------------------------------------
     def plan_ops(self, plan: tuple) -> int:
@@ -298,8 +298,12 @@ class Space:
         if out is None:
             return peak, latency, {}
         g2, n2 = out
-        peak2 = _simulate(g2, n2)[0].peak
-        latency2 = self._latency(g2, n2)
+        if self.comm is not None:    # as it runs data parallel: with its buckets
+            latency2, tl2, *_ = self.with_buckets(g2, n2)
+            peak2 = tl2.peak
+        else:
+            peak2 = _simulate(g2, n2)[0].peak
+            latency2 = self._latency(g2, n2)
         if peak2 <= peak and latency2 <= latency:
             return peak2, latency2, {"runs": (g2, n2)}
         return peak, latency, {}
