@@ -587,3 +587,50 @@ def test_a_slice_of_all_of_a_dim_and_a_cat_onto_an_empty_tensor_split_along_it()
                      (aten.cat.default, ([x, r(4, 2, 3)], 1))]:
         node, ts = make(op, *args)
         assert not any((0, 1) in a.outputs for a in dims_of(node, ts).axes), args[1:]
+
+
+class _BlockedBatchNormQKV(torch.nn.Module):
+    """LeViT's attention input: a linear with BatchNorm1d over the flattened
+    tokens, its channels then viewed as heads x (query, key, value)."""
+
+    def __init__(self, c=16, heads=2, key=4, value=8):
+        super().__init__()
+        self.heads, self.key, self.value = heads, key, value
+        self.lin = torch.nn.Linear(c, heads * (2 * key + value), bias=False)
+        self.bn = torch.nn.BatchNorm1d(heads * (2 * key + value))
+        self.out = torch.nn.Linear(heads * value, c)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        qkv = self.bn(self.lin(x).flatten(0, 1)).view(b, n, self.heads, -1)
+        q, k, v = (t.permute(0, 2, 1, 3) for t in qkv.split([self.key, self.key, self.value], dim=3))
+        a = (q @ k.transpose(-2, -1) * self.key ** -0.5).softmax(-1)
+        return self.out((a @ v).transpose(1, 2).reshape(b, n, -1))
+
+
+def test_a_graph_input_read_in_blocks_and_whole():
+    """A weight read along a plain dim and along the same dim in blocks (the
+    BatchNorm's channels, viewed as heads) gives the D-Graph keys of both kinds:
+    it sorted them as tuples against ints and failed on LeViT. Every F-Tree
+    candidate of the step, split in 2, equals eager's."""
+    import torch.nn.functional as F
+
+    from magis_nb.analysis import DGraph, apply_fission
+    from magis_nb.analysis.ftree import build_ftree
+    from magis_nb.runtime import OptimizedModule
+    from magis_nb.verify import Reference
+    torch.manual_seed(0)
+    model = _BlockedBatchNormQKV()
+    x, y = torch.randn(4, 8, 16), torch.randn(4, 8, 16)
+    prog = trace(model, (x, y), loss_fn=F.mse_loss)
+    dg = DGraph(prog.graph)
+    assert any(any(isinstance(d, tuple) for _, d in c.inputs) for c in dg.components)
+    assert "p_bn_weight[0:16]" in [c.name for c in dg.components]
+    cands = build_ftree(dg, prog.hotspots())
+    assert cands
+    ref = Reference(model, (x, y), F.mse_loss, "train")
+    for c in cands:
+        split = prog.with_graph(apply_fission(dg, [c.ftrans(2)]))
+        order = split.to_node_order(split.program_order())
+        chk = ref.check(OptimizedModule(model, prog.captured, split.graph, order))
+        assert chk.comparison.allclose, (c, chk.comparison.mismatches)

@@ -75,10 +75,14 @@ class DGraph:
                         union(("op", v, a), ("op", r.node, out_axis[(r.node, r.out, dim)]))
         groups: dict[tuple, Component] = {}
         linked: dict[tuple, list[tuple[str, int]]] = {}
-        for x in sorted(parent):
+        # A dim in blocks is (dim, block) (Note [blocked dims] in dims.py), next
+        # to plain ints: a graph input viewed both ways has keys of both kinds
+        # (LeViT's attention reshapes its input in blocks), so they sort as tuples.
+        keys = sorted(parent, key=lambda x: x[:2] + (x[2] if isinstance(x[2], tuple) else (x[2],),))
+        for x in keys:
             if x[0] == "in":
                 linked.setdefault(find(x), []).append((graph.nodes[x[1]].name, x[2]))
-        for x in sorted(parent):
+        for x in keys:
             if x[0] != "op":
                 continue
             root = find(x)
@@ -103,8 +107,8 @@ class DGraph:
                 c.size = gcd(c.size, s)
             # Named after the data dim it splits ("x0[1]": dim 1 of the first user
             # input -- batch is usually x0[0]), else a weight's dim, else its length.
-            data = [f"{n}[{d}]" for n, d in c.inputs if n.startswith("x")]
-            weights = [f"{n}[{d}]" for n, d in c.inputs if not n.startswith("x")]
+            data = [f"{n}[{_dim_label(d)}]" for n, d in c.inputs if n.startswith("x")]
+            weights = [f"{n}[{_dim_label(d)}]" for n, d in c.inputs if not n.startswith("x")]
             c.name = (data or weights or [f"len{c.size}"])[0]
             self.components.append(c)
 
@@ -205,6 +209,11 @@ def _rule(graph: Graph, n) -> OpDims | None:
         return op_dims(n, ins, outs)
     except Exception:  # noqa: BLE001
         return None
+
+
+def _dim_label(d) -> str:
+    """A dim in a component's name: ``2``, or ``0:16`` for dim 0 in blocks of 16."""
+    return f"{d[0]}:{d[1]}" if isinstance(d, tuple) else str(d)
 
 
 def _carry_blocks(graph: Graph, dims: dict[int, OpDims | None]) -> None:
