@@ -135,3 +135,37 @@ class _NoParams(nn.Module):
 def test_error_loss_without_trainable_parameters():
     with pytest.raises(CaptureError, match="trainable parameter"):
         capture(_NoParams(), (torch.randn(3, 3),))
+
+
+class _PlainPositions(nn.Module):
+    """A position table held as a plain attribute, not a buffer (as VideoMAE and
+    many hand-written transformers hold theirs), read under .to(device)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.pe = torch.linspace(-1, 1, 6 * 8).view(1, 6, 8)
+
+    def forward(self, x):
+        return self.lin(x + self.pe.detach().to(x.device)).relu()
+
+
+def test_plain_tensor_attributes_are_read_like_buffers():
+    import magis_nb
+    from magis_nb.verify import Reference
+    torch.manual_seed(0)
+    model = _PlainPositions()
+    x, y = torch.randn(4, 6, 8), torch.randn(4, 6, 8)
+    cap = capture(model, (x, y), loss_fn=F.mse_loss)
+    assert "pe" in cap.buffer_names and "pe" not in dict(model.named_buffers())
+    res = magis_nb.optimize(model, (x, y), loss_fn=F.mse_loss, max_states=4)
+    ref = Reference(model, (x, y), F.mse_loss, "train")
+    chk = ref.check(res.module)
+    assert chk.comparison.allclose, chk.comparison.mismatches
+    assert chk.measured_peak == res.plan.peak
+    # read off the model at every call, as eager reads it
+    model.pe = torch.zeros(1, 6, 8)
+    ref = Reference(model, (x, y), F.mse_loss, "train")
+    chk = ref.check(res.module)
+    assert chk.comparison.allclose, chk.comparison.mismatches
+    assert not isinstance(model.pe, nn.Parameter) and "pe" not in dict(model.named_buffers())

@@ -94,6 +94,10 @@ class _Step(nn.Module):
             self.register_parameter(f"p{i}", p)
         for i, (_, b) in enumerate(model.named_buffers()):
             self.register_buffer(f"b{i}", b)
+        # Note [plain tensor attributes]
+        for name, t in plain_tensors(model):
+            self.register_buffer(f"b{len(self.buffer_names)}", t)
+            self.buffer_names.append(name)
 
     def state(self) -> dict[str, torch.Tensor]:
         """The model's parameters and buffers by their names in the model, as the
@@ -349,6 +353,34 @@ def capture(model: nn.Module, inputs, *, loss_fn: Callable | None = None,
         out_spec=step.out_spec, no_grad_params=no_grad,
         constants={n.target: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"},
         specialized=list(scalars or []), seconds=time.perf_counter() - t0)
+
+
+def plain_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Note [plain tensor attributes]
+    A tensor a module holds as a plain attribute (``self.pe = torch.zeros(...)``,
+    not a parameter or a registered buffer: VideoMAE's sinusoid position table)
+    is read by the forward like a buffer, but the export sees a real tensor among
+    its fake ones and fails. The step takes each as one more buffer, named by its
+    attribute path; the optimized module reads it off the model at every call
+    (`attribute`), as eager does. One that requires grad (made from a parameter
+    in ``__init__``) is left alone: eager backpropagates through its old graph
+    once, which no program can repeat."""
+    seen = {id(t) for t in model.parameters()} | {id(t) for t in model.buffers()}
+    out = []
+    for mname, mod in model.named_modules():
+        for k, v in vars(mod).items():
+            if isinstance(v, torch.Tensor) and not v.requires_grad and id(v) not in seen:
+                seen.add(id(v))
+                out.append((f"{mname}.{k}" if mname else k, v))
+    return out
+
+
+def attribute(model: nn.Module, path: str) -> torch.Tensor:
+    """The tensor at dotted attribute ``path`` of ``model`` (Note [plain tensor attributes])."""
+    obj = model
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 @contextlib.contextmanager

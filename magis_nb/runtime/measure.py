@@ -17,6 +17,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ..capture.export import plain_tensors
+
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors``."""
@@ -107,9 +109,11 @@ def measure_cuda(fn: Callable[[], object], baseline_tensors: Iterable[torch.Tens
 
 
 def model_baseline(model: torch.nn.Module, inputs) -> list[torch.Tensor]:
-    """The tensors a training step finds alive: parameters, grads, buffers, inputs
+    """The tensors a training step finds alive: parameters, grads, buffers (and
+    tensors held as plain attributes), inputs
     (the tensors anywhere in ``inputs``: a tuple, a dict batch)."""
     ts = list(model.parameters()) + list(model.buffers())
+    ts += [t for _, t in plain_tensors(model)]      # Note [plain tensor attributes]
     ts += [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
     ts += [p.grad for p in model.parameters() if p.grad is not None]
     return ts

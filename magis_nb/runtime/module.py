@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
-from ..capture.export import Captured
+from ..capture.export import Captured, attribute
 from ..capture.outputs import unflatten
 from ..distributed.comm import LocalComm
 from ..ir.graph import Graph
@@ -245,6 +245,9 @@ class OptimizedModule(nn.Module):
                              "the step to eager PyTorch)")
         # by their first names: a tied weight is one graph input (capture/export.py)
         params, buffers = dict(self.model.named_parameters()), dict(self.model.named_buffers())
+        for n in self._buffer_names:
+            if n not in buffers:        # Note [plain tensor attributes]
+                buffers[n] = attribute(self.model, n)
         outs = self._run(inputs, params, buffers, seed)
         if self.mode == "infer":
             return self._outputs(outs), None, None
