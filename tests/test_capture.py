@@ -169,3 +169,34 @@ def test_plain_tensor_attributes_are_read_like_buffers():
     chk = ref.check(res.module)
     assert chk.comparison.allclose, chk.comparison.mismatches
     assert not isinstance(model.pe, nn.Parameter) and "pe" not in dict(model.named_buffers())
+
+
+class _SequenceBatchNorm(nn.Module):
+    """BatchNorm1d over the channels of a [B, L, C] sequence, and a prediction
+    transposed back before the loss (PatchTST's layout)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(16)
+        self.lin = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.lin(self.bn(x.transpose(1, 2)).transpose(1, 2)).transpose(1, 2)
+
+
+@pytest.mark.parametrize("loss_fn", [F.mse_loss, F.smooth_l1_loss, F.huber_loss])
+def test_layouts_of_batch_norm_and_loss_gradients_are_atens(loss_fn):
+    """ATen lays BatchNorm's output and these losses' input gradients out
+    contiguous where the decompositions keep a transposed input's strides; the
+    capture traced views the real tensors cannot take (Note [BatchNorm's output
+    layout])."""
+    import magis_nb
+    from magis_nb.verify import Reference
+    torch.manual_seed(0)
+    model = _SequenceBatchNorm()
+    x, y = torch.randn(12, 4, 16), torch.randn(12, 8, 4)
+    res = magis_nb.optimize(model, (x, y), loss_fn=loss_fn, mem_budget=0.7, max_states=12)
+    ref = Reference(model, (x, y), loss_fn, "train")
+    for plan in res.pareto:
+        chk = ref.check(res.module_for(plan))
+        assert chk.comparison.allclose and chk.measured_peak == plan.peak, plan

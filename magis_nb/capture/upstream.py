@@ -11,6 +11,22 @@ the helper is replaced by one that runs the layers one at a time through the
 original (so each layer is PyTorch's own decomposition) and applies
 ``torch.dropout`` between them on the sequence-first output, where and how
 eager's ATen RNN does: the same op on the same tensor, so the same mask.
+
+Note [BatchNorm's output layout]
+``native_batch_norm_helper`` (the decomposition behind the fake kernels of
+``native_batch_norm`` and ``_native_batch_norm_legit[_functional]``) computes
+the output elementwise, so a fake output has the input's strides; ATen's CPU
+and CUDA kernels allocate it ``empty_like(input, input.suggest_memory_format())``:
+contiguous for a transposed input. A ``BatchNorm1d`` over the channels of a
+[B, L, C] sequence (``bn(x.transpose(1, 2)).transpose(1, 2)``, PatchTST) then
+traced a ``view`` of the transposed-back output that the real output cannot
+take, and ``aot_export_module``'s second pass, on real tensors, failed with
+"view size is not compatible with input tensor's size and stride". While a
+capture runs, the helper's output is laid out as the kernels lay it out.
+The backward of MSE, smooth L1 and Huber losses likewise: ATen allocates the
+input gradient ``zeros_like(input, LEGACY_CONTIGUOUS_MEMORY_FORMAT)``, the
+decompositions return the input's layout (PatchTST's loss on a transposed
+prediction).
 """
 from __future__ import annotations
 
@@ -38,6 +54,54 @@ def _layerwise(orig):
     return helper
 
 
+def _kernel_layout(orig):
+    def helper(input, *args, **kwargs):
+        out = orig(input, *args, **kwargs)
+        from torch._prims_common import suggest_memory_format
+        fmt = suggest_memory_format(input)
+        if out[0].is_contiguous(memory_format=fmt):
+            return out
+        return (out[0].contiguous(memory_format=fmt),) + tuple(out[1:])
+    return helper
+
+
+# loss backward ops whose ATen kernels return a contiguous input gradient
+_CONTIGUOUS_GRADS = ("mse_loss_backward", "smooth_l1_loss_backward", "huber_loss_backward")
+
+
+def _contiguous(orig):
+    def kernel(*args, **kwargs):
+        out = orig(*args, **kwargs)
+        return out if out.is_contiguous() else out.contiguous()
+    # fake tensors run a decomposition only if it is torch._decomp's own
+    # (`fake_tensor.torch_decomp_decompositions`, which reads these two)
+    kernel.__module__, kernel.__name__ = orig.__module__, orig.__name__
+    return kernel
+
+
+@contextlib.contextmanager
+def _contiguous_grads():
+    """Note [BatchNorm's output layout]: the loss backward ops' decompositions
+    return contiguous gradients while a capture runs."""
+    try:
+        from torch._decomp import decomposition_table
+        from torch._subclasses.fake_tensor import torch_decomp_decompositions
+    except ImportError:
+        yield
+        return
+    aten = torch.ops.aten
+    ops = [getattr(aten, n).default for n in _CONTIGUOUS_GRADS if hasattr(aten, n)]
+    origs = {op: decomposition_table[op] for op in ops if op in decomposition_table}
+    for op, f in origs.items():
+        decomposition_table[op] = _contiguous(f)
+    torch_decomp_decompositions.cache_clear()
+    try:
+        yield
+    finally:
+        decomposition_table.update(origs)
+        torch_decomp_decompositions.cache_clear()
+
+
 @contextlib.contextmanager
 def fixed_decompositions():
     """While active, the decompositions above trace what eager computes."""
@@ -46,12 +110,14 @@ def fixed_decompositions():
     except ImportError:                 # nothing to fix where the module is absent
         yield
         return
-    orig = getattr(dec, "_rnn_helper", None)
-    if orig is None:
-        yield
-        return
-    dec._rnn_helper = _layerwise(orig)
+    fixes = {"_rnn_helper": _layerwise, "native_batch_norm_helper": _kernel_layout}
+    origs = {k: getattr(dec, k) for k in fixes if getattr(dec, k, None) is not None}
+    for k, fix in fixes.items():
+        if k in origs:
+            setattr(dec, k, fix(origs[k]))
     try:
-        yield
+        with _contiguous_grads():
+            yield
     finally:
-        dec._rnn_helper = orig
+        for k, f in origs.items():
+            setattr(dec, k, f)

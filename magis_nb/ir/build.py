@@ -32,11 +32,15 @@ def _storage_bytes(val: torch.Tensor) -> int:
         return val.numel() * val.element_size()
 
 
+# CPU losses whose reduced value is a view of the unreduced loss's buffer
+_UNREDUCED_CPU_LOSSES = (torch.ops.aten.mse_loss.default, torch.ops.aten.smooth_l1_loss.default)
+
+
 def _kernel_bytes(fn: fx.Node, val: torch.Tensor) -> int:
     """The storage the kernel really allocates for ``val``, where it is more than
-    the result's: CPU ``mse_loss`` with a reduction computes the unreduced loss and
-    returns the reduced scalar as a view of that buffer (measured: 4096 bytes for
-    a 4-byte loss over 1024 elements). ``col2im`` (``F.fold``) allocates its
+    the result's: CPU ``mse_loss`` and ``smooth_l1_loss`` with a reduction compute
+    the unreduced loss and return the reduced scalar as a view of that buffer
+    (measured: 4096 bytes for a 4-byte loss over 1024 elements). ``col2im`` (``F.fold``) allocates its
     output ``empty_like`` its input and resizes it, on the CPU and in CUDA's
     kernel alike: where the columns are larger than the image (overlapping
     windows) the storage stays theirs (measured: 49152 bytes for a 12288-byte
@@ -46,7 +50,7 @@ def _kernel_bytes(fn: fx.Node, val: torch.Tensor) -> int:
         x = fn.args[0].meta.get("val")
         if isinstance(x, torch.Tensor):
             nbytes = max(nbytes, x.numel() * x.element_size())
-    if fn.target is torch.ops.aten.mse_loss.default and val.device.type == "cpu":
+    if fn.target in _UNREDUCED_CPU_LOSSES and val.device.type == "cpu":
         red = fn.args[2] if len(fn.args) > 2 else fn.kwargs.get("reduction", 1)
         x = fn.args[0].meta.get("val")
         if red != 0 and isinstance(x, torch.Tensor):
