@@ -6,7 +6,7 @@ from typing import Callable, Sequence
 
 import torch.nn as nn
 
-from .capture import Captured, capture
+from .capture import Captured, capture, uncompiled
 from .ir import Graph, Ref, build_graph
 from .ir.phased_norm import decompose_batch_norms
 from .ir.passes import (decompose_dropout, drop_identity_clones, drop_metadata_asserts,
@@ -54,6 +54,7 @@ class Program:
 def trace(model: nn.Module, inputs, *, loss_fn: Callable | None = None,
           mode: str = "train") -> Program:
     """Capture ``model`` and build its IR and memory model."""
+    model = uncompiled(model)
     cap = capture(model, inputs, loss_fn=loss_fn, mode=mode)
     g = split_mean_loss(decompose_dropout(unshift_loss(drop_metadata_asserts(build_graph(cap)))))
     g = decompose_batch_norms(read_through_detaches(drop_identity_clones(g)))

@@ -200,3 +200,25 @@ def test_layouts_of_batch_norm_and_loss_gradients_are_atens(loss_fn):
     for plan in res.pareto:
         chk = ref.check(res.module_for(plan))
         assert chk.comparison.allclose and chk.measured_peak == plan.peak, plan
+
+
+def test_a_compiled_model_is_planned_as_the_module_it_wraps():
+    import magis_nb
+    from magis_nb.verify import Reference
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    model = torch.compile(inner)          # wraps lazily: nothing compiles here
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    res = magis_nb.optimize(model, (x, y), loss_fn=F.cross_entropy, max_states=4)
+    assert res.module.model is inner
+    chk = Reference(inner, (x, y), F.cross_entropy, "train").check(res.module)
+    assert chk.comparison.allclose
+
+
+def test_error_forward_writes_a_parameter():
+    model = nn.Sequential(nn.Embedding(32, 8, max_norm=1.0), nn.Flatten(), nn.Linear(8 * 6, 3))
+    before = model[0].weight.detach().clone()
+    with pytest.raises(CaptureError, match="writes into a trainable parameter"):
+        capture(model, (torch.randint(0, 32, (4, 6)), torch.randint(0, 3, (4,))),
+                loss_fn=F.cross_entropy)
+    assert torch.equal(model[0].weight, before)

@@ -204,6 +204,13 @@ def _explain(exc: BaseException) -> str:
                 "needs every shape known before the step runs: compute with the mask "
                 "instead (torch.where, multiplying by it) or move it out of forward() "
                 f"({name}: {msg})")
+    if "requires gradients, and received a mutation" in text:
+        return ("forward() writes into a trainable parameter in place (nn.Embedding("
+                "max_norm=...) renormalizes the rows it looks up; or a weight updated "
+                "under torch.no_grad()): a planned step cannot write its own parameters; "
+                "make that update outside the step (for Embedding: drop max_norm, or "
+                "call torch.embedding_renorm_ on the weight before each step) "
+                f"({name}: {msg})")
     if "does not require gradients" in text:
         return ("the loss does not depend on any trainable parameter: nothing to train "
                 "(use mode='infer' for a forward pass)")
@@ -281,6 +288,7 @@ def capture(model: nn.Module, inputs, *, loss_fn: Callable | None = None,
         raise CaptureError(f"mode must be 'train' or 'infer', got {mode!r}")
     if not isinstance(model, nn.Module):
         raise CaptureError(f"expected an nn.Module, got {type(model).__name__}")
+    model = uncompiled(model)
     call, tensors = _call_spec(inputs, loss_fn, mode)
     step = _Step(model, loss_fn, mode, call)
     t0 = time.perf_counter()
@@ -353,6 +361,19 @@ def capture(model: nn.Module, inputs, *, loss_fn: Callable | None = None,
         out_spec=step.out_spec, no_grad_params=no_grad,
         constants={n.target: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"},
         specialized=list(scalars or []), seconds=time.perf_counter() - t0)
+
+
+def uncompiled(model):
+    """The module under a `torch.compile` wrapper (``model._orig_mod``), else
+    ``model``: a plan replaces the compiled step, and the wrapper's own trace
+    (dynamo's) cannot run inside the capture's."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:
+        return model
+    while isinstance(model, OptimizedModule):
+        model = model._orig_mod
+    return model
 
 
 def plain_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

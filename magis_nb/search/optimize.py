@@ -10,7 +10,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..analysis.ftrans import divisors
 from ..analysis.spatial import region_rank, tiles_name
-from ..capture import CaptureError
+from ..capture import CaptureError, uncompiled
 from ..distributed import BucketComm
 from ..ir.phased_norm import PHASED_TARGETS
 from ..program import trace
@@ -366,6 +366,8 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
     """
     if mem_budget is not None and lat_budget is not None:
         raise ValueError("give mem_budget or lat_budget, not both")
+    # a torch.compile'd model is planned as the module it wraps: the plan is its step
+    model = uncompiled(model)
     if mode not in ("train", "infer"):
         raise ValueError(f"mode must be 'train' or 'infer', not {mode!r}")
     t0 = time.perf_counter()
