@@ -285,6 +285,11 @@ VISION = {
     "beit": ("BeitForImageClassification", "BeitConfig", IMG_VIT,
              "relative position bias, layer scale, mean pooling, drop path",
              dict(_VIT_LIKE, use_relative_position_bias=True, use_mean_pooling=True)),
+    "levit": ("LevitForImageClassification", "LevitConfig", IMG_CNN,
+              "conv stem, BatchNorm1d after every linear (channels viewed as heads), "
+              "attention biases gathered by index, subsampling attention",
+              dict(image_size=IMG_CNN, hidden_sizes=[32, 48, 64], num_attention_heads=[1, 2, 2],
+                   depths=[1, 1, 1], key_dim=[8, 8, 8], num_labels=LABELS)),
 }
 
 _STAGES = dict(hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1])
