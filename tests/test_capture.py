@@ -222,3 +222,10 @@ def test_error_forward_writes_a_parameter():
         capture(model, (torch.randint(0, 32, (4, 6)), torch.randint(0, 3, (4,))),
                 loss_fn=F.cross_entropy)
     assert torch.equal(model[0].weight, before)
+
+
+def test_error_sparse_gradients():
+    model = nn.Sequential(nn.Embedding(32, 8, sparse=True), nn.Flatten(), nn.Linear(8 * 6, 3))
+    with pytest.raises(CaptureError, match="sparse=False"):
+        capture(model, (torch.randint(0, 32, (4, 6)), torch.randint(0, 3, (4,))),
+                loss_fn=F.cross_entropy)

@@ -340,6 +340,7 @@ def capture(model: nn.Module, inputs, *, loss_fn: Callable | None = None,
         fake_log.setLevel(old_level)
         frozen.close()
 
+    _refuse_sparse(gm)
     param_names = [step.param_names[int(n[1:])] for n in sig.parameters]
     buffer_names = [step.buffer_names[int(n[1:])] for n in sig.buffers]
     out_names = [a.name for a in gm.graph.output_node().args[0]]
@@ -361,6 +362,19 @@ def capture(model: nn.Module, inputs, *, loss_fn: Callable | None = None,
         out_spec=step.out_spec, no_grad_params=no_grad,
         constants={n.target: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"},
         specialized=list(scalars or []), seconds=time.perf_counter() - t0)
+
+
+def _refuse_sparse(gm) -> None:
+    """A sparse tensor in the step (nn.Embedding(sparse=True)'s gradient) has no
+    storage the simulator or the runtime could plan: say so, not a KeyError."""
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if "sparse" in str(n.target) or (isinstance(v, torch.Tensor) and v.layout != torch.strided):
+            raise CaptureError(
+                f"the step makes a sparse tensor ({n.target}): nn.Embedding or "
+                "nn.EmbeddingBag with sparse=True gives a sparse gradient, and a plan "
+                "holds dense tensors only; use sparse=False (a dense gradient: with "
+                "torch.optim.SparseAdam, switch to Adam)")
 
 
 def uncompiled(model):
