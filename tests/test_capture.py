@@ -229,3 +229,37 @@ def test_error_sparse_gradients():
     with pytest.raises(CaptureError, match="sparse=False"):
         capture(model, (torch.randint(0, 32, (4, 6)), torch.randint(0, 3, (4,))),
                 loss_fn=F.cross_entropy)
+
+
+class _CachesInEval(nn.Module):
+    """Fills a dict on first use in eval mode, as LeViT caches its attention biases,
+    and counts its calls in a plain attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.bias = nn.Parameter(torch.randn(8))
+        self.cache = {}
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.training:
+            return self.lin(x) + self.bias * 2
+        if "b" not in self.cache:
+            self.cache["b"] = self.bias * 2
+        return self.lin(x) + self.cache["b"]
+
+
+def test_a_trace_leaves_the_modules_python_state_as_it_was():
+    model = _CachesInEval()
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    capture(model, (x, y), loss_fn=F.mse_loss)
+    assert model.calls == 0 and model.cache == {}
+    model.eval()
+    with pytest.raises(CaptureError, match="cached on a module while it was being traced"):
+        capture(model, (x,), mode="infer")
+    assert model.cache == {} and model.calls == 0
+    with torch.no_grad():
+        model(x)                   # the user's model still runs: no FakeTensor left in its cache
+    assert isinstance(model.cache["b"], torch.Tensor) and model.calls == 1

@@ -271,6 +271,39 @@ def _frozen(model: nn.Module, names: list[str]):
             p.requires_grad_(rg)
 
 
+@contextlib.contextmanager
+def _kept_python_state(model: nn.Module):
+    """Note [a trace leaves the modules as they were]
+    A forward may keep Python state on its modules: LeViT in eval mode caches
+    its attention biases in a dict attribute the first time it runs. Run by the
+    trace, that cache holds a FakeTensor, and the user's next eager call fails
+    ("Cannot access data pointer of Tensor"). Each module's attributes, and the
+    contents of those that are dicts, lists or sets, are put back as they were
+    before the capture."""
+    saved = []
+    for mod in model.modules():
+        attrs = dict(vars(mod))
+        contents = {k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list)
+                        else set(v)) for k, v in attrs.items() if isinstance(v, (dict, list, set))}
+        saved.append((mod, attrs, contents))
+    try:
+        yield
+    finally:
+        for mod, attrs, contents in saved:
+            now = vars(mod)
+            for k in [k for k in now if k not in attrs]:
+                del now[k]
+            for k, v in attrs.items():
+                if now.get(k) is not v:
+                    now[k] = v
+            for k, c in contents.items():
+                v = now[k]
+                if v != c if not isinstance(v, dict) else (v.keys() != c.keys() or any(
+                        v[key] is not c[key] for key in c)):
+                    v.clear()
+                    v.update(c) if isinstance(v, (dict, set)) else v.extend(c)
+
+
 def capture(model: nn.Module, inputs, *, loss_fn: Callable | None = None,
             mode: str = "train") -> Captured:
     """Trace one training step (``mode="train"``) or the forward (``"infer"``).
@@ -299,7 +332,9 @@ def capture(model: nn.Module, inputs, *, loss_fn: Callable | None = None,
         return replay_scalars(scalars) if scalars is not None else contextlib.nullcontext()
 
     def export():
-        with replaying(), _tracing_flag(), fixed_decompositions():
+        # each attempt from the model as the user left it: Note [a trace leaves
+        # the modules as they were]
+        with replaying(), _tracing_flag(), fixed_decompositions(), _kept_python_state(model):
             if mode == "infer":
                 with torch.no_grad():
                     return aot_export_module(step, list(tensors), trace_joint=False)
@@ -310,6 +345,7 @@ def capture(model: nn.Module, inputs, *, loss_fn: Callable | None = None,
     old_level = fake_log.level
     fake_log.setLevel(logging.CRITICAL)
     frozen = contextlib.ExitStack()     # unused parameters, frozen while the export retries
+    frozen.enter_context(_kept_python_state(model))
     try:
         # At most two retries: once with the parameters that get no gradient frozen,
         # once specialized on the example's values (Note [specialized scalars]).
@@ -341,6 +377,7 @@ def capture(model: nn.Module, inputs, *, loss_fn: Callable | None = None,
         frozen.close()
 
     _refuse_sparse(gm)
+    _refuse_stale_constants(gm)
     param_names = [step.param_names[int(n[1:])] for n in sig.parameters]
     buffer_names = [step.buffer_names[int(n[1:])] for n in sig.buffers]
     out_names = [a.name for a in gm.graph.output_node().args[0]]
@@ -375,6 +412,20 @@ def _refuse_sparse(gm) -> None:
                 "nn.EmbeddingBag with sparse=True gives a sparse gradient, and a plan "
                 "holds dense tensors only; use sparse=False (a dense gradient: with "
                 "torch.optim.SparseAdam, switch to Adam)")
+
+
+def _refuse_stale_constants(gm) -> None:
+    """A constant of the program that is a FakeTensor was made by an earlier
+    pass of the trace and kept on a module (Note [a trace leaves the modules as
+    they were]): the program would read it, and fail, at every run."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and isinstance(getattr(gm, n.target, None), FakeTensor):
+            raise CaptureError(
+                "forward() reads a tensor it cached on a module while it was being "
+                "traced (a dict or attribute filled on first use, as LeViT caches its "
+                "attention biases in eval mode): the cached value is the trace's, not a "
+                "tensor; plan the step in train mode, or turn the cache off while planning")
 
 
 def uncompiled(model):
