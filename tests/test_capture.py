@@ -263,3 +263,9 @@ def test_a_trace_leaves_the_modules_python_state_as_it_was():
     with torch.no_grad():
         model(x)                   # the user's model still runs: no FakeTensor left in its cache
     assert isinstance(model.cache["b"], torch.Tensor) and model.calls == 1
+
+
+def test_error_scripted_submodule_with_trainable_parameters():
+    model = nn.Sequential(torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.ReLU())), nn.Linear(8, 3))
+    with pytest.raises(CaptureError, match="submodule 0 is a TorchScript module"):
+        capture(model, (torch.randn(4, 8), torch.randint(0, 3, (4,))), loss_fn=F.cross_entropy)

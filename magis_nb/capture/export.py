@@ -322,6 +322,8 @@ def capture(model: nn.Module, inputs, *, loss_fn: Callable | None = None,
     if not isinstance(model, nn.Module):
         raise CaptureError(f"expected an nn.Module, got {type(model).__name__}")
     model = uncompiled(model)
+    if mode == "train":
+        _refuse_scripted(model)
     call, tensors = _call_spec(inputs, loss_fn, mode)
     step = _Step(model, loss_fn, mode, call)
     t0 = time.perf_counter()
@@ -399,6 +401,19 @@ def capture(model: nn.Module, inputs, *, loss_fn: Callable | None = None,
         out_spec=step.out_spec, no_grad_params=no_grad,
         constants={n.target: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"},
         specialized=list(scalars or []), seconds=time.perf_counter() - t0)
+
+
+def _refuse_scripted(model: nn.Module) -> None:
+    """A TorchScript submodule runs as one opaque call: the trace cannot swap its
+    parameters for its own, so they would get no gradient."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.jit.ScriptModule) and any(
+                p.requires_grad for p in mod.parameters()):
+            raise CaptureError(
+                f"submodule {name or 'model'} is a TorchScript module "
+                "(torch.jit.script/trace): its parameters cannot be traced for their "
+                "gradients; plan the model with that submodule unscripted (the "
+                "nn.Module you passed to torch.jit.script)")
 
 
 def _refuse_sparse(gm) -> None:
