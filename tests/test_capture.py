@@ -226,6 +226,9 @@ def test_error_forward_writes_a_parameter():
 
 def test_error_sparse_gradients():
     model = nn.Sequential(nn.Embedding(32, 8, sparse=True), nn.Flatten(), nn.Linear(8 * 6, 3))
+    dense = nn.ModuleDict({"sparse_proj": nn.Linear(8, 3)})   # "sparse" in a name is fine
+    dense.forward = lambda x: dense["sparse_proj"](x)
+    capture(dense, (torch.randn(4, 8), torch.randint(0, 3, (4,))), loss_fn=F.cross_entropy)
     with pytest.raises(CaptureError, match="sparse=False"):
         capture(model, (torch.randint(0, 32, (4, 6)), torch.randint(0, 3, (4,))),
                 loss_fn=F.cross_entropy)
@@ -241,9 +244,11 @@ class _CachesInEval(nn.Module):
         self.bias = nn.Parameter(torch.randn(8))
         self.cache = {}
         self.calls = 0
+        self.seen = [torch.ones(3), torch.zeros(3)]    # compared by identity, not ==
 
     def forward(self, x):
         self.calls += 1
+        self.seen.append(x)
         if self.training:
             return self.lin(x) + self.bias * 2
         if "b" not in self.cache:
@@ -254,8 +259,10 @@ class _CachesInEval(nn.Module):
 def test_a_trace_leaves_the_modules_python_state_as_it_was():
     model = _CachesInEval()
     x, y = torch.randn(4, 8), torch.randn(4, 8)
+    seen = list(model.seen)
     capture(model, (x, y), loss_fn=F.mse_loss)
     assert model.calls == 0 and model.cache == {}
+    assert len(model.seen) == 2 and all(a is b for a, b in zip(model.seen, seen))
     model.eval()
     with pytest.raises(CaptureError, match="cached on a module while it was being traced"):
         capture(model, (x,), mode="infer")

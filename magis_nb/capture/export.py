@@ -297,11 +297,22 @@ def _kept_python_state(model: nn.Module):
                 if now.get(k) is not v:
                     now[k] = v
             for k, c in contents.items():
-                v = now[k]
-                if v != c if not isinstance(v, dict) else (v.keys() != c.keys() or any(
-                        v[key] is not c[key] for key in c)):
-                    v.clear()
-                    v.update(c) if isinstance(v, (dict, set)) else v.extend(c)
+                if _changed(now[k], c):
+                    now[k].clear()
+                    (now[k].update if isinstance(c, (dict, set)) else now[k].extend)(c)
+
+
+def _changed(now, was) -> bool:
+    """Whether a container's contents are no longer ``was``'s, by identity (a
+    list of tensors compared with == would compare the tensors)."""
+    if len(now) != len(was):
+        return True
+    if isinstance(was, dict):
+        return any(k not in now or now[k] is not v for k, v in was.items())
+    if isinstance(was, list):
+        return any(a is not b for a, b in zip(now, was))
+    ids = {id(x) for x in was}
+    return any(id(x) not in ids for x in now)
 
 
 def capture(model: nn.Module, inputs, *, loss_fn: Callable | None = None,
@@ -421,7 +432,8 @@ def _refuse_sparse(gm) -> None:
     storage the simulator or the runtime could plan: say so, not a KeyError."""
     for n in gm.graph.nodes:
         v = n.meta.get("val")
-        if "sparse" in str(n.target) or (isinstance(v, torch.Tensor) and v.layout != torch.strided):
+        if n.op == "call_function" and ("sparse" in str(n.target) or (
+                isinstance(v, torch.Tensor) and v.layout != torch.strided)):
             raise CaptureError(
                 f"the step makes a sparse tensor ({n.target}): nn.Embedding or "
                 "nn.EmbeddingBag with sparse=True gives a sparse gradient, and a plan "
