@@ -136,3 +136,30 @@ def test_fold_keeps_its_columns_storage():
     for plan in res.pareto:
         chk = ref.check(res.module_for(plan))
         assert chk.comparison.allclose and chk.measured_peak == plan.peak, plan
+
+
+def test_an_input_that_views_a_larger_storage_counts_the_storage():
+    """``torch.hann_window(64)`` keeps 64 of the 65 points it computed: the buffer's
+    storage is 260 bytes, and the simulator counts what the process holds."""
+    import torch.nn.functional as F
+
+    from magis_nb.runtime import OptimizedModule
+    from magis_nb.verify import Reference
+
+    class Win(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("win", torch.hann_window(64))
+            self.lin = nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.lin(x * self.win)
+
+    model = Win()
+    assert model.win.untyped_storage().nbytes() == 65 * 4
+    x, y = torch.randn(4, 64), torch.randn(4, 64)
+    prog = trace(model, (x, y), loss_fn=F.mse_loss)
+    order = prog.to_node_order(prog.program_order())
+    chk = Reference(model, (x, y), F.mse_loss, "train").check(
+        OptimizedModule(model, prog.captured, prog.graph, order))
+    assert chk.comparison.allclose and chk.measured_peak == prog.simulate().peak

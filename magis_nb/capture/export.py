@@ -58,6 +58,10 @@ class Captured:
     # Scalars read off tensors, specialized on the example (Note [specialized scalars]).
     specialized: list = field(default_factory=list)
     seconds: float = 0.0
+    # Bytes of the storage behind each placeholder's real tensor, in placeholder
+    # order: a buffer can be a view of a larger storage (``torch.hann_window``
+    # computes N + 1 points and keeps N), which its fake tensor does not show.
+    input_storage: list[int] = field(default_factory=list)
 
     @property
     def n_inputs(self) -> int:
@@ -393,6 +397,7 @@ def capture(model: nn.Module, inputs, *, loss_fn: Callable | None = None,
     _refuse_stale_constants(gm)
     param_names = [step.param_names[int(n[1:])] for n in sig.parameters]
     buffer_names = [step.buffer_names[int(n[1:])] for n in sig.buffers]
+    real = [getattr(step, n) for n in list(sig.parameters) + list(sig.buffers)] + list(tensors)
     out_names = [a.name for a in gm.graph.output_node().args[0]]
     # aot_export_module orders outputs: buffer mutations, user outputs, gradients.
     n_mut, n_user = len(sig.buffers_to_mutate), len(sig.user_outputs)
@@ -411,7 +416,8 @@ def capture(model: nn.Module, inputs, *, loss_fn: Callable | None = None,
         input_meta=[(tuple(x.shape), x.dtype) for x in tensors], output_roles=roles,
         out_spec=step.out_spec, no_grad_params=no_grad,
         constants={n.target: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"},
-        specialized=list(scalars or []), seconds=time.perf_counter() - t0)
+        specialized=list(scalars or []), seconds=time.perf_counter() - t0,
+        input_storage=[int(t.untyped_storage().nbytes()) for t in real])
 
 
 def _refuse_scripted(model: nn.Module) -> None:

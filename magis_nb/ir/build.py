@@ -127,7 +127,10 @@ def build_graph(cap: Captured) -> Graph:
         val = ph.meta["val"]
         # one placeholder per distinct tensor: a tied weight is one input (Note [one
         # placeholder per parameter], capture/export.py)
-        info = TensorInfo(tuple(val.shape), val.dtype, _storage_bytes(val))
+        nbytes = _storage_bytes(val)
+        if k < len(cap.input_storage):   # the real storage, where larger than the view
+            nbytes = max(nbytes, cap.input_storage[k])
+        info = TensorInfo(tuple(val.shape), val.dtype, nbytes)
         node = Node(id=len(nodes), name=unique_ident(nm, taken), kind="input", target="input",
                     outputs=[info], category=cat, role=role)
         nodes.append(node)
