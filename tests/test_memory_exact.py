@@ -163,3 +163,11 @@ def test_an_input_that_views_a_larger_storage_counts_the_storage():
     chk = Reference(model, (x, y), F.mse_loss, "train").check(
         OptimizedModule(model, prog.captured, prog.graph, order))
     assert chk.comparison.allclose and chk.measured_peak == prog.simulate().peak
+    # a batch sliced out of a larger tensor (a dataset held in memory) likewise
+    data = torch.randn(100, 64)
+    x = data[10:14]
+    prog = trace(model, (x, y), loss_fn=F.mse_loss)
+    order = prog.to_node_order(prog.program_order())
+    chk = Reference(model, (x, y), F.mse_loss, "train").check(
+        OptimizedModule(model, prog.captured, prog.graph, order))
+    assert chk.comparison.allclose and chk.measured_peak == prog.simulate().peak
