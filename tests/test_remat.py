@@ -208,3 +208,51 @@ def test_batchnorm_recompute_is_its_elementwise_phase(one_thread):
         chk = Reference(model, inputs, loss, "train").check(p2.module())
         assert chk.comparison.allclose, chk.comparison.mismatches
         assert chk.measured_peak == p2.simulate().peak
+
+def _bn_net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Conv2d(8, 2, 1))
+
+
+def test_a_recompute_reads_a_swapped_tensors_loaded_copy(one_thread):
+    """Note [recomputed from a loaded copy]: the first conv output swapped, then
+    its block's ReLU recomputed for the backward from the conv output's Load,
+    moved up to before the recompute; the original dies in the forward."""
+    import torch.nn.functional as F
+
+    from magis_nb.rules.remat import chain_to_live, swapped_copies
+    from magis_nb.rules.swap import is_load, swap
+    from magis_nb.runtime import OptimizedModule
+    from magis_nb.simulate.memory import simulate_memory
+    from magis_nb.verify import Reference
+    model = _bn_net()
+    x, y = torch.randn(4, 3, 16, 16), torch.randn(4, 2, 16, 16)
+    prog = trace(model, (x, y), loss_fn=F.mse_loss)
+    g = prog.graph
+    loss = next(n.id for n in g.ops if n.target == "aten.mse_loss.default")
+    conv = next(n.id for n in g.ops if n.target == "aten.convolution.default")
+    relu = next(n.id for n in g.ops if n.target == "aten.relu.default")
+    late = lambda v: {u for u in g.readers()[Ref(v, 0)] if u > loss}  # noqa: E731
+    g1 = swap(g, Ref(conv, 0), late(conv))
+    ids = {n.name: n.id for n in g1.nodes}
+    conv, relu, loss = ids[g.nodes[conv].name], ids[g.nodes[relu].name], ids[g.nodes[loss].name]
+    late = lambda v: {u for u in g1.readers()[Ref(v, 0)] if u > loss}  # noqa: E731
+    loads = swapped_copies(g1)
+    assert list(loads) == [Ref(conv, 0)]
+    live = set(loads) | {Ref(n.id, i) for n in g1.ops if n.target == "magis_nb.bn_finalize.default"
+                         for i in range(len(n.outputs))}
+    chain = chain_to_live(g1, relu, live)
+    assert [g1.nodes[v].target for v in chain] == ["magis_nb.bn_elemt.default"]
+    g2 = rematerialize(g1, relu, late(relu), chain)
+    copy = next(n for n in g2.ops if n.name.endswith("_re") and n.target == "magis_nb.bn_elemt.default")
+    src = g2.nodes[copy.args[0].node]
+    assert is_load(g2, src.id) and src.id < copy.id
+    p2 = prog.with_graph(g2)
+    order = p2.to_node_order(p2.program_order())
+    chk = Reference(model, (x, y), F.mse_loss, "train").check(OptimizedModule(model, prog.captured, g2, order))
+    mg, ids, _ = g2.memgraph()
+    index = {v: i for i, v in enumerate(ids)}
+    assert chk.comparison.allclose, chk.comparison.mismatches
+    assert chk.measured_peak == simulate_memory(mg, [index[v] for v in order]).peak

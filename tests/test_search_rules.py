@@ -353,3 +353,37 @@ def test_a_child_predicted_to_end_past_the_budget_is_not_built(one_thread):
     assert s.shrink(big, first) == ((c, mid),)
     s.rate = 60.0 / space.plan_ops(small)
     assert s.shrink(big, first) is None and s.log.too_big == 2
+
+
+def test_a_swap_traded_for_a_recompute_from_a_loaded_copy(one_thread):
+    """`proposals.exchanges`: after a batch of the biggest swaps of the tiny U-Net
+    (conv outputs and the ReLUs after them), each trade drops a swap and
+    recomputes the tensor instead, from what is kept or loaded anyway (Note
+    [recomputed from a loaded copy]); the traded plans run equal to eager at
+    their simulated peak."""
+    from magis_nb import zoo
+    from magis_nb.runtime import OptimizedModule
+    from magis_nb.search.pricing import ranked
+    from magis_nb.search.proposals import exchanges
+    from magis_nb.search.space import Batch, Space
+    from magis_nb.simulate.cost import make_cost
+    from magis_nb.verify import Reference
+    case = zoo.build("unet", "tiny")
+    prog = trace(case.model, case.inputs, loss_fn=case.loss_fn)
+    space = Space(prog, make_cost("rtx3090"), async_copies=True, fission=False)
+    root = space.evaluate((), (), prog.graph)
+    swaps = ranked(space, root).swaps[:16]
+    g, kept = space.build((), (Batch("swap", frozenset(swaps)),))
+    st = space.evaluate((), kept, g)
+    trades = exchanges(space, st)
+    assert trades and any(rm.op.startswith("relu") for rms, _ in trades for rm in rms)
+    ref = Reference(case.model, case.inputs, case.loss_fn, "train")
+    for rms, batches in trades[:2] + trades[-1:]:
+        g2, kept2 = space.build((), batches)
+        left = len(kept[0].specs) - len(rms)
+        assert [b.kind for b in kept2] == ["swap"] * bool(left) + ["remat"]
+        assert len(kept2[-1].specs) == len(rms) and (not left or len(kept2[0].specs) == left)
+        child = space.evaluate((), kept2, g2)
+        chk = ref.check(OptimizedModule(prog.model, prog.captured, *child.runs))
+        assert chk.comparison.allclose, chk.comparison.mismatches
+        assert chk.measured_peak == child.peak

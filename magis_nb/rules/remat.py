@@ -24,6 +24,15 @@ original's. On this CPU the normalize takes 0.29 ms where the training op takes
 block's BatchNorm and ReLU costs a fifth of what it did. `recompute_graph` is
 the same copy alone, for pricing a remat before it is applied.
 
+Note [recomputed from a loaded copy]
+A recompute may start from a swapped tensor: its copy reads the tensor's Load,
+not the original (which the swap lets die after its last reader before the
+peak). Where the Load came after the recompute in node order, it is moved up
+to just before it, and the swap's other readers read it from there: a conv
+block's ReLU is remade from its conv output's loaded copy, so the ReLU output
+need not be swapped too (paper U-Net at lat 1.10 swapped both, and the copy
+stream is what a latency budget runs out of first).
+
 Never recomputed: RNG ops (a recompute would draw a new dropout mask and train a
 different model) and ops that write into an input. An op of a split fission
 region is recomputed for readers in its own part only (Note [rewrites inside
@@ -40,6 +49,7 @@ from ..ir.graph import Graph, Node, Ref, Region, TensorInfo, iter_refs, map_refs
 from ..ir.passes import Rewriter, prune_dead_views, writes_into_input, written_in_place
 from ..simulate.cost import is_training_batch_norm
 from .redirect import Redirect
+from .swap import is_load, rd_region
 
 
 def can_rematerialize(g: Graph, a: int) -> str | None:
@@ -121,6 +131,15 @@ def _add_normalize(rw: Rewriter, src: Node, fix) -> dict[Ref, Ref]:
     return made
 
 
+def swapped_copies(g: Graph) -> dict[Ref, int]:
+    """Swapped tensors -> their Load (node id)."""
+    out = {}
+    for n in g.ops:
+        if is_load(g, n.id):
+            out[g.nodes[n.args[0].node].args[1]] = n.id
+    return out
+
+
 def recompute_graph(g: Graph, v: int) -> Graph | None:
     """The ops op ``v``'s recompute runs, alone in a graph of their inputs (for
     pricing it), when they are not ``v`` itself; else None."""
@@ -175,14 +194,37 @@ def rematerialize_all(g: Graph, specs: Iterable[tuple]) -> Graph:
     copy_of: list[dict[Ref, Ref]] = [{} for _ in specs]
     # Views of a's outputs that users read are rebuilt on the copy's outputs.
     redirect = Redirect(g, [r for o in outs for r in o if g.tensor(r).alias is None])
+    loads = swapped_copies(g)
+    hoisted: dict[int, int] = {}        # Load -> its copy made ahead of it
+
+    def loaded(rw: Rewriter, n: Node, a: int, r: Ref) -> Ref | None:
+        """Note [recomputed from a loaded copy]: the Load of swapped ``r`` a
+        copy of ``a`` made before ``n`` reads, moved up to there if it came later."""
+        ld = loads.get(r)
+        if ld is None or rd_region(g, ld) != rd_region(g, a) or g.nodes[ld].args[0].node >= n.id:
+            return None
+        if ld < n.id:
+            return rw.fix(Ref(ld, 0))
+        if ld not in hoisted:
+            src = g.nodes[ld]
+            nid = rw.add(src.name, src.target, src.op, map_refs(src.args, rw.fix), src.kwargs,
+                         src.outputs, src.category, keep_name=True)
+            rw.nodes[nid].region = src.region
+            rw.remap[Ref(ld, 0)] = Ref(nid, 0)
+            hoisted[ld] = nid
+        return Ref(hoisted[ld], 0)
 
     def rule(rw: Rewriter, n: Node) -> bool:
+        if n.id in hoisted:
+            return True         # made earlier, for a recompute that reads it
         for k in by_first.get(n.id, ()):
             a, _, chain = specs[k]
             made: dict[Ref, Ref] = {}       # chain outputs -> their copies
 
             def fix(r: Ref, *rest) -> Ref:
-                return made[r] if r in made else rw.fix(r, *rest)
+                if r in made:
+                    return made[r]
+                return loaded(rw, n, a, r) or rw.fix(r, *rest)
 
             start = len(rw.nodes)
             for v in chain + (a,):

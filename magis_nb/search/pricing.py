@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 from ..ir.graph import Ref
 from ..ir.passes import written_in_place
-from ..rules.remat import can_rematerialize, chain_to_live
+from ..rules.remat import can_rematerialize, chain_to_live, swapped_copies
 from ..rules.swap import rd_region
 from .space import Remat, Space, State, Swap
 from .transfers import is_load, is_store
@@ -77,6 +77,9 @@ def ranked(space: Space, st: State) -> Ranked:
     for size, r in st.hot:
         (inside if rd_region(g, r.node) else outer).append((size, r))
     written = written_in_place(g)
+    # a recompute reads a swapped tensor's loaded copy (Note [recomputed from a
+    # loaded copy] in `rules.remat`): as good a start as a tensor kept live
+    loaded = set(swapped_copies(g))
     out: list = []
     price: dict = {}
     copy: dict = {}
@@ -122,7 +125,7 @@ def ranked(space: Space, st: State) -> Ranked:
             # Recomputing an op whose outputs nobody reads before the peak only
             # moves it (the scheduler's job), and leaves a dead original behind.
             if before and can_rematerialize(g, a) is None:
-                chain = chain_to_live(g, a, bases)
+                chain = chain_to_live(g, a, bases | loaded)
                 if chain is not None:
                     cost = times * sum(costs.recompute(g, v) for v in chain + [a])
                     rm = Remat(g.nodes[a].name, names, tuple(g.nodes[v].name for v in chain))

@@ -15,7 +15,10 @@ from __future__ import annotations
 from ..analysis.ftree import coarsenings, largest_parts, least_parts, mutations, overlaps
 from .algebra_gains import AlgebraGains, product_of
 from .pricing import Ranked, batch_price, ranked
-from .space import Batch, Space, State, every_part
+from ..ir.graph import Ref
+from ..rules.remat import can_rematerialize, chain_to_live, swapped_copies
+from ..rules.swap import rd_region
+from .space import Batch, Remat, Space, State, every_part
 
 SINGLE = 4                 # single-tensor rewrites proposed per state and rule
 BATCHES = (2, 4, 8, 16, 32, 64, 128)  # batch sizes proposed per state and rule
@@ -149,6 +152,17 @@ def proposals(space: Space, st: State, algebra: AlgebraGains | None = None,
                     add(kind + tag, kind, [s], bool(tag))
 
     rewrites(r.swaps, r.remats)
+    # A trade alone frees copy time and moves no peak down (the recompute may
+    # lift it): it is proposed with the next swaps that time pays for, the
+    # state's own candidates (paper U-Net at lat 1.10: a ReLU traded, then two
+    # more swaps, 0.360 -> 0.338 at x1.098; the trade alone 0.382, which a
+    # search ranking children by peak never expands).
+    for rm_specs, batches in exchanges(space, st):
+        tag = f"exchange{'x' + str(len(rm_specs)) if len(rm_specs) > 1 else ''}"
+        for k in (2, 4):
+            if len(r.swaps) >= k:
+                out.append((f"{tag}+swapx{k}", st.plan, batches + (Batch("swap", frozenset(r.swaps[:k])),),
+                            set()))
     packs, fission, unpacks = _fission(space, st, coarsen)
     out = packs + out + fission
     for rule, specs in algebra.children(st):
@@ -164,6 +178,60 @@ def proposals(space: Space, st: State, algebra: AlgebraGains | None = None,
     # part's, the lists above are short and these come soon.
     rewrites(r.inner_swaps, r.inner_remats, "-in-parts")
     return out + unpacks
+
+
+def exchanges(space: Space, st: State, limit: int = SINGLE) -> list[tuple]:
+    """Swaps traded for recomputes (Note [recomputed from a loaded copy] in
+    `rules.remat`): a swapped tensor that its op remakes, from tensors kept or
+    loaded anyway, in less time than its copies take. The copy stream is what a
+    latency budget runs out of first, and the first swap batches take the
+    biggest tensors whether they recompute cheaply (a ReLU from its loaded conv
+    output) or not. Each child drops one such swap from its batch and recomputes
+    the tensor instead, cheapest per byte first; one more trades them all.
+    Returns (remats, batches) pairs."""
+    g = st.graph
+    ids = {n.name: n.id for n in g.nodes}
+    live = {r for _, r in st.hot} | set(swapped_copies(g))
+    found = []
+    for bi, b in enumerate(st.batches):
+        if b.kind != "swap":
+            continue
+        for spec in b.specs:
+            a = ids.get(spec.producer)
+            if a is None or rd_region(g, a) or can_rematerialize(g, a) is not None:
+                continue
+            t = g.tensor(Ref(a, spec.out))
+            chain = chain_to_live(g, a, live - {Ref(a, spec.out)})
+            if chain is None:
+                continue
+            cost = sum(space.costs.recompute(g, v) for v in chain + [a])
+            if cost >= 2 * space.costs.transfer_cost(t.nbytes):
+                continue
+            rm = Remat(spec.producer, spec.users, tuple(g.nodes[v].name for v in chain))
+            found.append((cost / max(t.nbytes, 1), bi, spec, rm))
+    found.sort(key=lambda f: f[0])
+
+    def trade(chosen):
+        drop: dict[int, set] = {}
+        for _, bi, spec, _ in chosen:
+            drop.setdefault(bi, set()).add(spec)
+        batches = tuple(Batch(b.kind, b.specs - drop[i]) if i in drop else b
+                        for i, b in enumerate(st.batches))
+        batches = tuple(b for b in batches if b.specs)
+        return [c[3] for c in chosen], batches + (Batch("remat", frozenset(c[3] for c in chosen)),)
+
+    out = [trade([f]) for f in found[:limit]]
+    # all at once: those whose recomputed ops overlap no earlier one's (a batch
+    # recomputes each op once)
+    together, used = [], set()
+    for f in found:
+        ops = {f[3].op, *f[3].chain}
+        if not ops & used:
+            together.append(f)
+            used |= ops
+    if len(together) > 1:
+        out.append(trade(together))
+    return out
 
 
 def enable_top(space: Space, st: State) -> tuple | None:
