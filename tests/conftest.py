@@ -34,3 +34,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# Property tests draw the same examples on every run (a seed derived from each
+# test): a clean-clone CI fails only where a change does, never on an example
+# no earlier run drew (a random conv/BatchNorm chain whose conv bias gradient is
+# zero in exact arithmetic failed its tolerance once that way).
+try:
+    from hypothesis import settings as _hyp_settings
+    _hyp_settings.register_profile("magis", derandomize=True)
+    _hyp_settings.load_profile("magis")
+except ImportError:
+    pass
