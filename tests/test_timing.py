@@ -77,3 +77,16 @@ def test_bench_optimize_row_reports_the_ratio_with_its_quartiles():
     # fit_measured timed select()'s pick at least; the copies columns are there
     assert r["tried"] >= 1 and len(r["fits"]) == r["tried"]
     assert min(r["copies_ms"], r["copies_priced_ms"], r["copies_alone_ms"]) >= 0
+
+
+def test_median_bound_sits_one_binomial_deviation_above_the_median_and_narrows():
+    """31 pairs: the 19th ratio of 31 (rank 15.5 + 2.8); 301 pairs of the same
+    spread: the 160th of 301, nearer the median than the third quartile."""
+    few = PairTiming(1.0, 1.0, 1.0, [1 + i / 100 for i in range(31)])
+    assert few.median_bound == pytest.approx(1.18)
+    assert few.ratio < few.median_bound < few.quartiles[1]
+    many = PairTiming(1.0, 1.0, 1.0, [1 + i * 0.3 / 300 for i in range(301)])
+    assert many.median_bound == pytest.approx(1 + 159 * 0.3 / 300)
+    assert many.median_bound - many.ratio < few.median_bound - few.ratio
+    assert PairTiming(1.0, 1.0, 1.0, [1.05]).median_bound == 1.05
+    assert PairTiming(1.0, 1.0, None, []).median_bound is None
