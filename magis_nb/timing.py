@@ -57,8 +57,8 @@ class PairTiming:
         if not self.ratios:
             return None
         n = len(self.ratios)
-        k = min(n, math.ceil(n / 2 + math.sqrt(n) / 2))
-        return sorted(self.ratios)[k - 1]
+        # n/2 + sqrt(n)/2 <= n for every n >= 1: the rank is always a pair's
+        return sorted(self.ratios)[math.ceil(n / 2 + math.sqrt(n) / 2) - 1]
 
 
 def call_seconds(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, cuda: bool = False,

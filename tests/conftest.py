@@ -3,6 +3,7 @@ import sys
 
 import pytest
 import torch
+from hypothesis import settings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -40,9 +41,5 @@ def pytest_collection_modifyitems(config, items):
 # test): a clean-clone CI fails only where a change does, never on an example
 # no earlier run drew (a random conv/BatchNorm chain whose conv bias gradient is
 # zero in exact arithmetic failed its tolerance once that way).
-try:
-    from hypothesis import settings as _hyp_settings
-    _hyp_settings.register_profile("magis", derandomize=True)
-    _hyp_settings.load_profile("magis")
-except ImportError:
-    pass
+settings.register_profile("magis", derandomize=True)
+settings.load_profile("magis")

@@ -76,12 +76,9 @@ def cpu_row(name: str, kind: str, budget: float, time_budget: float, reps: int,
         # The budget is on measured time: re-pick from the front until a plan
         # measures within it, then time the chosen plan again on fresh pairs (the
         # pick's own measurement is biased low: it was chosen for being low).
-        # A plan fits on an upper bound of its median (`PairTiming.median_bound`),
-        # not the median: the pick is the plan that measured just under the
-        # budget, and its median on fresh pairs lands over it about half the
-        # time (BERT split in 6: fitted under x1.10, re-timed x1.102). The
-        # third quartile, used before, does not narrow with more pairs: it
-        # held the tiny U-Net's unoptimized program itself at x1.093.
+        # A plan fits on an upper bound of its median, not the median (why:
+        # `PairTiming.median_bound`; BERT split in 6 fitted under x1.10 on its
+        # median re-timed x1.102).
         res.fit_measured(lambda m: timed(m).median_bound, budget)
         if res.plan is not sim_pick:
             chk = ref.check(res.module)
