@@ -238,11 +238,10 @@ class _Builder:
         if kind == "mem":
             what = f"memory budget {limit / MiB:.2f} MiB ({ratio:.2f}x)"
             low = min(front, key=lambda p: (p.peak, p.latency))
-            res.message = (f"{what} met: {mem}, {lat}" if ok else
-                           f"{what} NOT met: the lowest peak reached is {mem}, {lat}" if plan is low
-                           else f"{what} NOT met: the lowest peak reached is {low.peak / MiB:.2f} MiB "
-                           f"at x{low.latency / before.latency:.3f}; chosen within "
-                           f"{NEAR - 1:.0%} of it, faster: {mem}, {lat}")
+            lowest = (f"{what} NOT met: the lowest peak reached is {low.peak / MiB:.2f} MiB "
+                      f"({low.peak / before.peak:.2f}x) at x{low.latency / before.latency:.3f}")
+            res.message = (f"{what} met: {mem}, {lat}" if ok else lowest if plan is low
+                           else f"{lowest}; chosen within {NEAR - 1:.0%} of it, faster: {mem}, {lat}")
         else:
             what = f"latency budget x{ratio:.2f}"
             res.message = (f"{what} met: {mem}, {lat}" if ok else

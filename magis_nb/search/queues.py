@@ -9,8 +9,11 @@ from .space import State
 
 QUEUE_CAP = 64             # states kept in a queue (the worst are dropped)
 LADDER_START = 1.05        # a memory-budget search's first latency target
-LADDER_STEP = 1.05         # a rung of 1.1 skipped 1.10 (1.05 -> 1.155): tiny GPT met
-                           # the peak of a lat-1.10 search at x1.136, at x1.101 with 1.05
+LADDER_STEP = 1.025        # a rung of 1.1 skipped 1.10 (1.05 -> 1.155): tiny GPT met
+                           # the peak of a lat-1.10 search at x1.136, at x1.101 with 1.05;
+                           # tiny U-Net's (0.535, remat 11; swap 4) at x1.137 with 1.05
+                           # (rungs 1.1025, then 1.158), x1.119 with 1.025; paper ResNet-50
+                           # mem 0.4 x1.111 -> x1.095, U-Net x1.075 -> x1.054
 LADDER_MAX = 4.0
 WINDOW = 16                # states over which the ladder measures its pace (two
                            # expansion chunks: 2 * algorithm.EXPAND)
