@@ -403,7 +403,7 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
                 peak = tl_dp.peak
             meta = {}
             if space.phased:    # as it runs: Note [whole phases run as one kernel]
-                peak, latency, meta = space.fused(g, base_order, peak, latency)
+                peak, latency, meta = space.fused(g, base_order, peak, latency, in_place=False)
             before = State((), (), g, [], base_order, peak, latency, [], 0, meta=meta)
             root = space.evaluate((), (), g)
         except Exception as e:  # noqa: BLE001

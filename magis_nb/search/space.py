@@ -23,6 +23,7 @@ from ..analysis.ftree import add_pack_twins
 from ..distributed import DataParallel, add_buckets
 from ..ir.digest import graph_digest
 from ..ir.graph import Graph, Ref, Region
+from ..ir.inplace_grads import rewrite_in_place
 from ..ir.phase_fusion import fuse_whole_phases
 from ..ir.phased_norm import PHASED_TARGETS
 from ..ir.passes import written_in_place
@@ -197,6 +198,8 @@ class Space:
         self.evaluated = 0
         # Note [whole phases run as one kernel]: states are priced as they run
         self.phased = any(n.target in PHASED_TARGETS for n in self.base.ops)
+        # Note [elementwise gradients in place] (a switch for measuring without)
+        self.grads_in_place = True
 
     # -- graphs -----------------------------------------------------------------
     def plan_ops(self, plan: tuple) -> int:
@@ -263,19 +266,26 @@ class Space:
         index = {nid: i for i, nid in enumerate(op_ids)}
         if self.async_copies:
             nodes = self.placed(graph, nodes, simulate_memory(mg, s.order).live)
-        meta = {}
+        # Note [elementwise gradients in place]: the same kernels, priced on
+        # ``graph``; the memory is the rewritten program's
+        ip, last = self.in_place(graph) or (None, {})
+        meta = {} if ip is None else {"runs": (ip, nodes)}
         if self.comm is not None:
-            latency, tl, mg, refs, _ = self.with_buckets(graph, nodes)
+            latency, tl, mg, refs, _ = self.with_buckets(ip or graph, nodes)
         else:
             latency = self._latency(graph, nodes)
-            tl = simulate_memory(mg, [index[v] for v in nodes])
+            if ip is None:
+                tl = simulate_memory(mg, [index[v] for v in nodes])
+            else:
+                tl, mg, refs = _simulate(ip, nodes)
         peak = tl.peak
         if self.phased:
-            peak, latency, meta = self.fused(graph, nodes, peak, latency, tight)
+            peak, latency, fmeta = self.fused(graph, nodes, peak, latency, tight)
+            meta = fmeta or meta
         hot = []
         for i in tl.hotspots:
             st = mg.storages[i]
-            r = refs[i]
+            r = last.get(refs[i], refs[i])
             if st.category == "activation" and st.producer >= 0 and st.size > 0:
                 hot.append((st.size, r))
         hot.sort(key=lambda t: (-t[0], t[1].node, t[1].out))
@@ -295,8 +305,13 @@ class Space:
         return place_transfers(graph, tight, lambda v: self.costs.of(graph, v),
                                self.costs.transfer_cost, live)
 
+    def in_place(self, graph: Graph) -> tuple[Graph, dict] | None:
+        """`rewrite_in_place` of ``graph`` (Note [elementwise gradients in
+        place]), or None."""
+        return rewrite_in_place(graph) if self.grads_in_place else None
+
     def fused(self, graph: Graph, nodes: list[int], peak: int, latency: float,
-              tight: list[int] | None = None) -> tuple[int, float, dict]:
+              tight: list[int] | None = None, in_place: bool = True) -> tuple[int, float, dict]:
         """(peak, latency, meta) of the order with its whole BatchNorms as ATen's
         kernels (Note [whole phases run as one kernel]) where that is no higher
         and no slower; else the order's own, and no meta.
@@ -312,14 +327,16 @@ class Space:
         g2, n2 = out
         if tight is not None:
             n2 = self.placed(g2, n2, _simulate(g2, n2)[0].live)
+        # ``in_place``: False for the program PyTorch runs (eager's memory)
+        run = ((self.in_place(g2) if in_place else None) or (g2,))[0]
         if self.comm is not None:    # as it runs data parallel: with its buckets
-            latency2, tl2, *_ = self.with_buckets(g2, n2)
+            latency2, tl2, *_ = self.with_buckets(run, n2)
             peak2 = tl2.peak
         else:
-            peak2 = _simulate(g2, n2)[0].peak
+            peak2 = _simulate(run, n2)[0].peak
             latency2 = self._latency(g2, n2)
         if peak2 <= peak and latency2 <= latency:
-            return peak2, latency2, {"runs": (g2, n2)}
+            return peak2, latency2, {"runs": (run, n2)}
         return peak, latency, {}
 
     def _latency(self, graph: Graph, nodes: list[int], comms=()) -> float:
