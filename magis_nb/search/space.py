@@ -23,7 +23,7 @@ from ..analysis.ftree import add_pack_twins
 from ..distributed import DataParallel, add_buckets
 from ..ir.digest import graph_digest
 from ..ir.graph import Graph, Ref, Region
-from ..ir.inplace_grads import rewrite_in_place
+from ..ir.in_place import rewrite_in_place
 from ..ir.phase_fusion import fuse_whole_phases
 from ..ir.phased_norm import PHASED_TARGETS
 from ..ir.passes import written_in_place
@@ -198,8 +198,8 @@ class Space:
         self.evaluated = 0
         # Note [whole phases run as one kernel]: states are priced as they run
         self.phased = any(n.target in PHASED_TARGETS for n in self.base.ops)
-        # Note [elementwise gradients in place] (a switch for measuring without)
-        self.grads_in_place = True
+        # Note [elementwise ops in place] (a switch for measuring without)
+        self.elementwise_in_place = True
 
     # -- graphs -----------------------------------------------------------------
     def plan_ops(self, plan: tuple) -> int:
@@ -266,7 +266,7 @@ class Space:
         index = {nid: i for i, nid in enumerate(op_ids)}
         if self.async_copies:
             nodes = self.placed(graph, nodes, simulate_memory(mg, s.order).live)
-        # Note [elementwise gradients in place]: the same kernels, priced on
+        # Note [elementwise ops in place]: the same kernels, priced on
         # ``graph``; the memory is the rewritten program's
         ip, last = self.in_place(graph) or (None, {})
         meta = {} if ip is None else {"runs": (ip, nodes)}
@@ -295,20 +295,22 @@ class Space:
                      digest if digest is not None else graph_digest(graph),
                      0 if parent is None else parent.depth + 1, meta)
 
-    def placed(self, graph: Graph, tight: list[int], live: list[int]) -> list[int]:
+    def placed(self, graph: Graph, tight: list[int], live: list[int] | None = None) -> list[int]:
         """``tight`` (the memory-aware order, node ids; ``live``: its bytes at
-        each step) with its swaps' copies moved to hide behind compute
-        (`place_transfers`), within that order's peak."""
+        each step, simulated when not given) with its swaps' copies moved to
+        hide behind compute (`place_transfers`), within that order's peak."""
         if not any(_moves(graph, v) for v in tight):
             return tight
+        if live is None:
+            live = _simulate(graph, tight)[0].live
         live = [m for m, v in zip(live, tight) if not _moves(graph, v)]
         return place_transfers(graph, tight, lambda v: self.costs.of(graph, v),
                                self.costs.transfer_cost, live)
 
     def in_place(self, graph: Graph) -> tuple[Graph, dict] | None:
-        """`rewrite_in_place` of ``graph`` (Note [elementwise gradients in
+        """`rewrite_in_place` of ``graph`` (Note [elementwise ops in
         place]), or None."""
-        return rewrite_in_place(graph) if self.grads_in_place else None
+        return rewrite_in_place(graph) if self.elementwise_in_place else None
 
     def fused(self, graph: Graph, nodes: list[int], peak: int, latency: float,
               tight: list[int] | None = None, in_place: bool = True) -> tuple[int, float, dict]:
@@ -326,7 +328,7 @@ class Space:
             return peak, latency, {}
         g2, n2 = out
         if tight is not None:
-            n2 = self.placed(g2, n2, _simulate(g2, n2)[0].live)
+            n2 = self.placed(g2, n2)
         # ``in_place``: False for the program PyTorch runs (eager's memory)
         run = ((self.in_place(g2) if in_place else None) or (g2,))[0]
         if self.comm is not None:    # as it runs data parallel: with its buckets

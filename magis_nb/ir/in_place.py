@@ -1,6 +1,6 @@
 """Activations, and their gradients, written into the tensor they read.
 
-Note [elementwise gradients in place]
+Note [elementwise ops in place]
 Autograd makes each activation's backward a new tensor: ReLU's
 ``threshold_backward(grad, y, 0)`` allocates a gradient as large as ``grad``
 while ``grad`` is still live, and the two are live together at the op. Where
@@ -16,7 +16,7 @@ training step is such an op: the last decoder block's ReLU backward, its
 incoming and outgoing gradients 512 MiB each (paper U-Net, simulated RTX 3090),
 and once that is in place, the ReLU a remat remakes there.
 
-`grads_in_place` rewrites every such op of a finished plan (same node ids, so
+`write_in_place` rewrites every such op of a finished plan (same node ids, so
 the plan's order still applies). Whether ``x`` has another reader does not
 depend on the order, so any order of the plan may run it. The kernels are the
 same, so a plan is priced on the graph before this rewrite; only its memory
@@ -91,8 +91,8 @@ def in_place_ops(g: Graph) -> list[int]:
     return out
 
 
-def grads_in_place(g: Graph) -> Graph | None:
-    """Note [elementwise gradients in place]: ``g`` with every op `in_place_ops`
+def write_in_place(g: Graph) -> Graph | None:
+    """Note [elementwise ops in place]: ``g`` with every op `in_place_ops`
     finds writing into what it reads first (node ids unchanged), or None when
     there is none."""
     out = rewrite_in_place(g)
@@ -100,7 +100,7 @@ def grads_in_place(g: Graph) -> Graph | None:
 
 
 def rewrite_in_place(g: Graph) -> tuple[Graph, dict[Ref, Ref]] | None:
-    """(`grads_in_place`'s graph, and each storage it writes into -> the tensor
+    """(`write_in_place`'s graph, and each storage it writes into -> the tensor
     of ``g`` that storage holds last), or None. The search reads the second:
     a ReLU's output, saved for the backward, is its input's storage in the
     rewritten graph, and the rewrites it proposes name the ReLU's output."""
