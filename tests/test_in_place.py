@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import magis_nb
-from magis_nb.ir.in_place import IN_PLACE, write_in_place, in_place_ops
+from magis_nb.ir.in_place import IN_PLACE, in_place_ops, rewrite_in_place
 from magis_nb.program import trace
 from magis_nb.runtime import OptimizedModule
 from magis_nb.simulate.memory import simulate_memory
@@ -64,7 +64,7 @@ def test_every_activation_backward_writes_in_place_and_the_step_is_the_same():
     # its output), not where the backward reads it too (GELU's)
     fwd = {g.nodes[v].target for v in ops - backward}
     assert "aten.relu.default" in fwd and "aten.gelu.default" not in fwd
-    g2 = write_in_place(g)
+    g2, _ = rewrite_in_place(g)
     assert all(g2.nodes[v].target != g.nodes[v].target for v in ops)
     ref = Reference(model, (x, y), F.mse_loss, "train")
     plain = ref.check(OptimizedModule(model, prog.captured, g, order))
@@ -89,10 +89,8 @@ def test_a_gradient_another_op_reads_is_not_written():
     prog = trace(model, (x, y), loss_fn=F.mse_loss)
     g = prog.graph
     (relu_bwd,) = [n for n in g.ops if n.target == "aten.threshold_backward.default"]
-    readers = {u for n in g.ops for r in n.refs() if g.storage_of(r) == relu_bwd.args[0]
-               for u in [n.id]}
-    assert len(readers) > 1                    # the add's gradient feeds both branches
-    assert in_place_ops(g) == [] and write_in_place(g) is None
+    assert len(g.readers()[g.storage_of(relu_bwd.args[0])]) > 1   # the add's gradient feeds both branches
+    assert in_place_ops(g) == [] and rewrite_in_place(g) is None
 
 
 def test_plans_write_in_place_and_the_unoptimized_plan_is_eagers():

@@ -16,7 +16,7 @@ training step is such an op: the last decoder block's ReLU backward, its
 incoming and outgoing gradients 512 MiB each (paper U-Net, simulated RTX 3090),
 and once that is in place, the ReLU a remat remakes there.
 
-`write_in_place` rewrites every such op of a finished plan (same node ids, so
+`rewrite_in_place` rewrites every such op of a finished plan (same node ids, so
 the plan's order still applies). Whether ``x`` has another reader does not
 depend on the order, so any order of the plan may run it. The kernels are the
 same, so a plan is priced on the graph before this rewrite; only its memory
@@ -70,10 +70,7 @@ def in_place_ops(g: Graph) -> list[int]:
     cands = [n for n in g.ops if n.target in IN_PLACE and isinstance(n.args[0], Ref)]
     if not cands:
         return []
-    readers: dict[Ref, set[int]] = {}
-    for n in g.ops:
-        for r in n.refs():
-            readers.setdefault(g.storage_of(r), set()).add(n.id)
+    readers = g.readers()
     returned = {g.storage_of(r) for r in g.outputs}
     written = written_in_place(g)
     out = []
@@ -91,17 +88,11 @@ def in_place_ops(g: Graph) -> list[int]:
     return out
 
 
-def write_in_place(g: Graph) -> Graph | None:
-    """Note [elementwise ops in place]: ``g`` with every op `in_place_ops`
-    finds writing into what it reads first (node ids unchanged), or None when
-    there is none."""
-    out = rewrite_in_place(g)
-    return None if out is None else out[0]
-
-
 def rewrite_in_place(g: Graph) -> tuple[Graph, dict[Ref, Ref]] | None:
-    """(`write_in_place`'s graph, and each storage it writes into -> the tensor
-    of ``g`` that storage holds last), or None. The search reads the second:
+    """Note [elementwise ops in place]: (``g`` with every op `in_place_ops`
+    finds writing into what it reads first, node ids unchanged; and each
+    storage it writes into -> the tensor of ``g`` that storage holds last), or
+    None when there is no such op. The search reads the second:
     a ReLU's output, saved for the backward, is its input's storage in the
     rewritten graph, and the rewrites it proposes name the ReLU's output."""
     ids = sorted(in_place_ops(g))
