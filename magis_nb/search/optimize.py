@@ -24,6 +24,7 @@ from .result import MeasuredMemory, OptimizeResult, Plan, Progress, Region, Time
 from .safety import PlanError, SafetyNet
 from .data_parallel import agree, choose_cap, data_parallel
 from .gcpause import paused_gc
+from .proposals import split_first
 from .space import Space, State
 from .transfers import swap_ops
 
@@ -83,7 +84,8 @@ class _Builder:
                        for b in st.batches if b.kind == "swap" for s in b.specs)
         algebra = sorted([f"merge {'+'.join(s.ops)}" for b in st.batches if b.kind == "merge"
                           for s in b.specs]
-                         + [f"sink {s.op}" for b in st.batches if b.kind == "sink" for s in b.specs])
+                         + [f"{b.kind} {s.op}" for b in st.batches if b.kind in ("sink", "split")
+                            for s in b.specs])
         return Plan(st.peak, st.latency, regions, remat, swaps, st, algebra)
 
     def between(self, lo: Plan, hi: Plan) -> list[Plan]:
@@ -405,7 +407,7 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
             if space.phased:    # as it runs: Note [whole phases run as one kernel]
                 peak, latency, meta = space.fused(g, base_order, peak, latency, in_place=False)
             before = State((), (), g, [], base_order, peak, latency, [], 0, meta=meta)
-            root = space.evaluate((), (), g)
+            root = split_first(space, space.evaluate((), (), g))
         except Exception as e:  # noqa: BLE001
             raise PlanError(_bug("analysing the program", e, hint=True)) from e
         objective = _objective(mem_budget, lat_budget, before)

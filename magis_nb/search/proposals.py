@@ -18,7 +18,8 @@ from .pricing import Ranked, batch_price, ranked
 from ..ir.graph import Ref
 from ..rules.remat import can_rematerialize, chain_to_live, swapped_copies
 from ..rules.swap import rd_region
-from .space import Batch, Remat, Space, State, every_part
+from ..rules.cat_conv import CAT, split_sites, why_not_split
+from .space import Batch, Remat, Space, Split, State, every_part
 
 SINGLE = 4                 # single-tensor rewrites proposed per state and rule
 BATCHES = (2, 4, 8, 16, 32, 64, 128)  # batch sizes proposed per state and rule
@@ -34,6 +35,8 @@ def _touched(g, kind: str, specs, ids: dict | None = None) -> set:
     swap or remat in a split region's part rewrites every part (``ids``: op
     name -> id in ``g``, given for those)."""
     touched = set()
+    if kind == "split":     # the cat goes and its backwards change: schedule afresh
+        return touched
     if ids is not None:
         specs = [t for s in specs for t in every_part(g, ids, s)]
     for s in specs:
@@ -152,6 +155,11 @@ def proposals(space: Space, st: State, algebra: AlgebraGains | None = None,
                     add(kind + tag, kind, [s], bool(tag))
 
     rewrites(r.swaps, r.remats)
+    splits = cat_splits(space, st)
+    if len(splits) > 1:
+        add(f"splitx{len(splits)}", "split", splits)
+    for sp in splits[:SINGLE]:
+        add("split", "split", [sp])
     # A trade alone frees copy time and moves no peak down (the recompute may
     # lift it): it is proposed with the next swaps that time pays for, the
     # state's own candidates (paper U-Net at lat 1.10: a ReLU traded, then two
@@ -178,6 +186,42 @@ def proposals(space: Space, st: State, algebra: AlgebraGains | None = None,
     # part's, the lists above are short and these come soon.
     rewrites(r.inner_swaps, r.inner_remats, "-in-parts")
     return out + unpacks
+
+
+def cat_splits(space: Space, st: State) -> list[Split]:
+    """The peak's cats read by a convolution that can run one per piece (Note [a
+    convolution of a cat] in `rules.cat_conv`), biggest first: the cat's
+    storage then goes, and its pieces are saved (and swapped or recomputed)
+    as themselves."""
+    if not space.algebra:
+        return []
+    g = st.graph
+    out = []
+    for _, ref in st.hot:
+        n = g.nodes[ref.node]
+        if n.target != CAT:
+            continue
+        for v in sorted(g.readers().get(ref, ())):
+            if g.nodes[v].args and g.nodes[v].args[0] == ref and why_not_split(g, v) is None:
+                out.append(Split(g.nodes[v].name))
+                break
+    return out
+
+
+def split_first(space: Space, root: State) -> State:
+    """``root`` with every convolution of a cat run one per piece, where that
+    lowers neither its peak nor its speed by the space's cost model (the paper
+    U-Net, simulated RTX 3090: peak x0.88, latency x0.997): the search then
+    starts from it, and every plan has it. A split proposed by a state comes
+    after the swaps and remats already in it, and a swapped cat cannot be
+    split."""
+    sites = split_sites(root.graph) if space.algebra else []
+    if not sites:
+        return root
+    b = Batch("split", frozenset(Split(root.graph.nodes[i].name) for i in sites))
+    g, batches = space.build(root.plan, root.batches + (b,))
+    st = space.evaluate(root.plan, batches, g)
+    return st if st.peak <= root.peak and st.latency <= root.latency else root
 
 
 def exchanges(space: Space, st: State, limit: int = SINGLE) -> list[tuple]:

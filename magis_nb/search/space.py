@@ -29,6 +29,7 @@ from ..ir.phased_norm import PHASED_TARGETS
 from ..ir.passes import written_in_place
 from ..program import Program
 from ..rules.algebra import merge_all, why_not_merge
+from ..rules.cat_conv import split_all, why_not_split
 from ..rules.remat import can_rematerialize, recompute_graph, rematerialize_all
 from ..rules.scale import sink_all, why_not_sink
 from ..rules.swap import rd_region, swap_all
@@ -69,8 +70,12 @@ class Sink(NamedTuple):
     op: str                     # a constant scale of a product, moved onto its input
 
 
+class Split(NamedTuple):
+    op: str                     # a convolution of a cat, run one per piece (rules/cat_conv.py)
+
+
 class Batch(NamedTuple):
-    kind: str                   # "swap" | "remat" | "merge" | "sink"
+    kind: str                   # "swap" | "remat" | "merge" | "sink" | "split"
     specs: frozenset            # of Swap, Remat, Merge or Sink
 
 
@@ -221,7 +226,7 @@ class Space:
         """``batch`` on ``g``, keeping the specs that still apply there. A spec
         on an op of a split region applies in every part (Note [rewrites inside
         the parts])."""
-        if batch.kind in ("merge", "sink"):
+        if batch.kind in ("merge", "sink", "split"):
             return _apply_algebra(g, batch)
         ids = {n.name: n.id for n in g.nodes}
         rd = g.readers()
@@ -371,7 +376,7 @@ def _simulate(graph: Graph, order: list[int]):
 
 
 def _apply_algebra(g: Graph, batch: Batch) -> tuple[Graph, Batch]:
-    """Merge/sink specs that apply on ``g`` (outside fission regions, ops present)."""
+    """Merge/sink/split specs that apply on ``g`` (outside fission regions, ops present)."""
     ids = {n.name: n.id for n in g.nodes}
     kept, args, used = [], [], set()
     for s in sorted(batch.specs):
@@ -379,7 +384,8 @@ def _apply_algebra(g: Graph, batch: Batch) -> tuple[Graph, Batch]:
         nids = [ids.get(nm) for nm in names]
         if None in nids or used & set(nids):
             continue
-        why = why_not_merge(g, nids) if batch.kind == "merge" else why_not_sink(g, nids[0])
+        why = why_not_merge(g, nids) if batch.kind == "merge" else why_not_sink(g, nids[0]) \
+            if batch.kind == "sink" else why_not_split(g, nids[0])
         if why is None:
             kept.append(s)
             args.append(nids if batch.kind == "merge" else nids[0])
@@ -388,6 +394,8 @@ def _apply_algebra(g: Graph, batch: Batch) -> tuple[Graph, Batch]:
         return g, Batch(batch.kind, frozenset())
     if batch.kind == "sink":
         return sink_all(g, args), Batch("sink", frozenset(kept))
+    if batch.kind == "split":
+        return split_all(g, args), Batch("split", frozenset(kept))
     try:
         return merge_all(g, args), Batch("merge", frozenset(kept))
     except ValueError:

@@ -1,0 +1,244 @@
+"""A convolution of a channel concatenation, run as one convolution per piece.
+
+Note [a convolution of a cat]
+A U-Net's decoder block reads ``cat([skip, up], 1)`` with its first
+convolution, and autograd saves that cat for the convolution's backward (its
+weight gradient): a copy of the skip connection, which the encoder's backward
+keeps anyway, and of the upsampled tensor, as one storage as big as both. On
+the paper U-Net at lat 1.10 the last block's cat (1 GiB) is the biggest tensor
+at the plan's peak, in its backward. A convolution is linear in its input
+channels (TASO's concat rules):
+
+    conv(cat([a, b], 1), W) = conv(a, W[:, :Ca]) + conv(b, W[:, Ca:])
+
+and its backward is one backward per piece: the input gradients are the
+pieces' gradients (the backward's slices of the cat's gradient read them
+directly), the weight gradient the cat of the pieces' along dim 1, the bias
+gradient the first piece's. Nothing reads the cat any more: the skip and the
+upsampled tensor are saved as themselves, and each may be swapped or
+recomputed on its own. The sum rounds differently from one convolution over
+all channels (same terms, another order): allclose to eager, not bit for bit.
+
+Only where every reader of the cat is the convolution (groups 1, not
+transposed) or a backward of it with the same weight, and the backward's input
+gradient is read only by slices that each take one piece's channels.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+
+from ..ir.graph import Graph, Node, Ref, TensorInfo
+from ..ir.passes import Rewriter, written_in_place
+
+aten = torch.ops.aten
+CAT, CONV = "aten.cat.default", "aten.convolution.default"
+CONV_BWD, SLICE = "aten.convolution_backward.default", "aten.slice.Tensor"
+
+
+def _nbytes(shape, dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def _direct(g: Graph) -> dict[Ref, list[int]]:
+    out: dict[Ref, list[int]] = {}
+    for n in g.ops:
+        for r in set(n.refs()):
+            out.setdefault(r, []).append(n.id)
+    return out
+
+
+def _pieces(g: Graph, cat: Node) -> list[tuple[Ref, int, int]] | None:
+    """(piece, first channel, channels) of a cat along dim 1, or None."""
+    parts = cat.args[0]
+    dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    nd = len(cat.outputs[0].shape)
+    if nd < 3 or dim % nd != 1 or not all(isinstance(p, Ref) for p in parts):
+        return None
+    out, off = [], 0
+    for p in parts:
+        t = g.tensor(p)
+        if len(t.shape) != nd or t.dtype != cat.outputs[0].dtype:
+            return None
+        out.append((p, off, t.shape[1]))
+        off += t.shape[1]
+    return out if len(out) > 1 else None
+
+
+def _slice_range(n: Node, size: int) -> tuple[int, int] | None:
+    """(start, end) channels of a step-1 slice along dim 1, or None."""
+    args = list(n.args) + [None] * (5 - len(n.args))
+    dim, start, end, step = args[1], args[2], args[3], args[4]
+    nd = len(n.outputs[0].shape)
+    if dim is None or dim % nd != 1 or step not in (None, 1):
+        return None
+    start = 0 if start is None else start
+    end = size if end is None else min(end, size)
+    return (start, end) if 0 <= start < end else None
+
+
+def why_not_split(g: Graph, conv: int, rd: dict | None = None) -> str | None:
+    """None when convolution ``conv`` of a cat can run one convolution per piece."""
+    f = g.nodes[conv]
+    if f.kind != "op" or f.target != CONV:
+        return "not a convolution"
+    src = f.args[0]
+    if not isinstance(src, Ref) or g.nodes[src.node].target != CAT or src.out != 0:
+        return "its input is not a cat"
+    cat = g.nodes[src.node]
+    if f.args[6] or f.args[8] != 1:
+        return "a transposed or grouped convolution"
+    pieces = _pieces(g, cat)
+    if pieces is None:
+        return "not a cat of two or more tensors along the channels"
+    if any(n.region or n.deps for n in (f, cat)):
+        return "in a fission region"
+    if src in g.outputs or src in written_in_place(g):
+        return "the cat is an output or written in place"
+    rd = _direct(g) if rd is None else rd
+    params = f.args[3:9]
+    dep = {d for n in g.nodes for d in n.deps}
+    for v in rd.get(src, ()):
+        if v == conv:
+            continue
+        b = g.nodes[v]
+        if b.target != CONV_BWD or b.args[1] != src or b.args[2] != f.args[1] \
+                or tuple(b.args[4:10]) != tuple(params) or b.region or v in dep:
+            return f"{b.name} reads the cat"
+        if Ref(v, 0) in g.outputs:
+            return f"{b.name}'s input gradient is an output"
+        if b.outputs[0] is not None and _grad_slices(g, rd, v, pieces) is None:
+            return f"{b.name}'s input gradient is read other than by one slice per piece"
+    if src.node in dep:
+        return "an op waits for the cat"
+    return None
+
+
+def _grad_slices(g: Graph, rd, b: int, pieces) -> dict[int, int] | None:
+    """Slice node -> piece index, for every reader of backward ``b``'s input gradient."""
+    size = sum(c for _, _, c in pieces)
+    out = {}
+    for v in rd.get(Ref(b, 0), ()):
+        s = g.nodes[v]
+        if s.target != SLICE or s.args[0] != Ref(b, 0) or s.rng:
+            return None
+        rng = _slice_range(s, size)
+        k = next((i for i, (_, o, c) in enumerate(pieces) if rng == (o, o + c)), None)
+        if k is None:
+            return None
+        out[v] = k
+    return out
+
+
+def split_sites(g: Graph) -> list[int]:
+    """Every convolution of a cat that `why_not_split` accepts, in program order."""
+    rd = _direct(g)
+    return [n.id for n in g.ops if n.target == CONV and why_not_split(g, n.id, rd) is None]
+
+
+def split_all(g: Graph, convs: Iterable[int]) -> Graph:
+    """Each of ``convs`` (see `why_not_split`) as one convolution per piece of its
+    cat, its backwards likewise; the sum keeps the convolution's name."""
+    convs = list(convs)
+    rd = _direct(g)
+    for c in convs:
+        why = why_not_split(g, c, rd)
+        if why:
+            raise ValueError(f"cannot split {g.nodes[c].name}: {why}")
+    cat_of = {g.nodes[c].args[0].node: c for c in convs}
+    pieces = {c: _pieces(g, g.nodes[g.nodes[c].args[0].node]) for c in convs}
+    bwd_of: dict[int, int] = {}     # backward -> its convolution
+    slice_of: dict[int, tuple[int, int]] = {}   # slice -> (backward, piece)
+    for c in convs:
+        src = g.nodes[c].args[0]
+        for v in rd.get(src, ()):
+            if v != c:
+                bwd_of[v] = c
+                if g.nodes[v].outputs[0] is not None:
+                    for s, k in _grad_slices(g, rd, v, pieces[c]).items():
+                        slice_of[s] = (v, k)
+    weights: dict[int, list[Ref]] = {}     # convolution -> its weight's slices
+    grads: dict[tuple[int, int], Ref] = {}  # (backward, piece) -> that piece's input gradient
+
+    def weight_slices(rw: Rewriter, c: int) -> list[Ref]:
+        if c not in weights:
+            f = g.nodes[c]
+            w = f.args[1]
+            wt = g.tensor(w)
+            out = []
+            for k, (_, off, ch) in enumerate(pieces[c]):
+                shape = (wt.shape[0], ch) + tuple(wt.shape[2:])
+                nid = rw.add(f"{f.name}_w{k}", SLICE, aten.slice.Tensor, (rw.fix(w), 1, off, off + ch),
+                             {}, [TensorInfo(shape, wt.dtype, 0, rw.fix(w))], g.nodes[w.node].category)
+                out.append(Ref(nid, 0))
+            weights[c] = out
+        return weights[c]
+
+    def rule(rw: Rewriter, n: Node) -> bool:
+        if n.id in cat_of:
+            return True
+        if n.id in slice_of:
+            b, k = slice_of[n.id]
+            rw.remap[Ref(n.id, 0)] = grads[(b, k)]
+            return True
+        if n.id in cat_of.values():
+            _emit_forward(rw, g, n, pieces[n.id], weight_slices(rw, n.id))
+            return True
+        if n.id in bwd_of:
+            c = bwd_of[n.id]
+            used = {k for s, (b, k) in slice_of.items() if b == n.id}
+            _emit_backward(rw, g, n, pieces[c], weight_slices(rw, c), used, grads)
+            return True
+        return False
+
+    return Rewriter(g).run(rule)
+
+
+def _emit_forward(rw: Rewriter, g: Graph, f: Node, pieces, ws: list[Ref]) -> None:
+    out = f.outputs[0]
+    acc = None
+    for k, ((p, _, _), w) in enumerate(zip(pieces, ws)):
+        args = list(f.args)
+        args[0], args[1] = rw.fix(p), w
+        args[2] = None if k else rw.fix(f.args[2]) if isinstance(f.args[2], Ref) else f.args[2]
+        y = rw.add(f"{f.name}_part{k}", CONV, f.op, args, dict(f.kwargs),
+                   [TensorInfo(out.shape, out.dtype, out.nbytes)], f.category)
+        if acc is None:
+            acc = Ref(y, 0)
+            continue
+        last = k == len(pieces) - 1
+        s = rw.add(f.name if last else f"{f.name}_sum{k}", "aten.add.Tensor", aten.add.Tensor,
+                   (acc, Ref(y, 0)), {}, [TensorInfo(out.shape, out.dtype, out.nbytes)],
+                   f.category, keep_name=last)
+        acc = Ref(s, 0)
+    rw.remap[Ref(f.id, 0)] = acc
+
+
+def _emit_backward(rw: Rewriter, g: Graph, b: Node, pieces, ws: list[Ref], used: set[int],
+                   grads: dict) -> None:
+    mask = list(b.args[10])
+    gw = []
+    for k, ((p, _, ch), w) in enumerate(zip(pieces, ws)):
+        args = list(b.args)
+        args[0], args[1], args[2] = rw.fix(b.args[0]), rw.fix(p), w
+        if k:
+            args[3] = None
+        m = [bool(mask[0]) and k in used, bool(mask[1]), bool(mask[2]) and k == 0]
+        args[10] = m
+        pt, wt = g.tensor(p), rw.nodes[w.node].outputs[0]
+        outs = [TensorInfo(pt.shape, pt.dtype, _nbytes(pt.shape, pt.dtype)) if m[0] else None,
+                TensorInfo(wt.shape, wt.dtype, _nbytes(wt.shape, wt.dtype)) if m[1] else None,
+                b.outputs[2] if m[2] else None]
+        nid = rw.add(f"{b.name}_part{k}", CONV_BWD, b.op, args, dict(b.kwargs), outs, b.category)
+        rw.nodes[nid].multi = b.multi
+        grads[(b.id, k)] = Ref(nid, 0)
+        if k == 0 and m[2]:
+            rw.remap[Ref(b.id, 2)] = Ref(nid, 2)
+        gw.append(Ref(nid, 1))
+    if mask[1]:
+        wt = b.outputs[1]
+        cat = rw.add(f"{b.name}_weight", CAT, aten.cat.default, (gw, 1), {},
+                     [TensorInfo(wt.shape, wt.dtype, _nbytes(wt.shape, wt.dtype))], b.category)
+        rw.remap[Ref(b.id, 1)] = Ref(cat, 0)

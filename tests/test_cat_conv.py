@@ -1,0 +1,111 @@
+"""A convolution of a cat run as one convolution per piece (Note [a convolution
+of a cat] in rules/cat_conv.py): the step allclose to eager, its measured peak
+equal to the simulated one, the cat's storage gone; refused where the cat has
+another reader; and taken before the search where it costs nothing."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import magis_nb
+from magis_nb import zoo
+from magis_nb.program import trace
+from magis_nb.rules.cat_conv import split_all, split_sites, why_not_split
+from magis_nb.runtime import OptimizedModule
+from magis_nb.simulate.memory import simulate_memory
+from magis_nb.verify import Reference
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+
+
+def _peak(g) -> int:
+    mg, _, _ = g.memgraph()
+    return simulate_memory(mg, list(range(mg.n))).peak
+
+
+def _check(model, inputs, loss_fn, g, captured):
+    ref = Reference(model, inputs, loss_fn, "train")
+    res = ref.check(OptimizedModule(model, captured, g, g.program_order()))
+    assert res.comparison.allclose, res.comparison.mismatches
+    assert res.measured_peak == _peak(g)
+    return res
+
+
+def test_unet_decoder_convolutions_run_per_piece_like_eager_without_the_cats():
+    case = zoo.build("unet", "tiny")
+    prog = trace(case.model, case.inputs, loss_fn=case.loss_fn)
+    g = prog.graph
+    sites = split_sites(g)
+    # every decoder block's first convolution reads cat([skip, up])
+    assert len(sites) == 4
+    g2 = split_all(g, sites)
+    assert not any(n.target == "aten.cat.default" and n.outputs[0].shape[1] == 16
+                   and n.outputs[0].shape[-1] == 128 for n in g2.ops)
+    # the cat of the full-resolution block (16 x 16 x 128 x 128 floats) is gone
+    # from the program's peak, in program order
+    assert _peak(g2) < _peak(g)
+    _check(case.model, case.inputs, case.loss_fn, g, prog.captured)
+    _check(case.model, case.inputs, case.loss_fn, g2, prog.captured)
+
+
+class _ThreeWay(nn.Module):
+    """A biased, strided, dilated convolution of a cat of three pieces, one of
+    them the input (no gradient wanted for it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 5, 3, padding=1), nn.Conv2d(3, 4, 1)
+        self.c = nn.Conv2d(12, 6, 3, stride=2, padding=2, dilation=2)
+
+    def forward(self, x):
+        return self.c(torch.cat([torch.relu(self.a(x)), x, self.b(x)], 1))
+
+
+def test_three_pieces_with_bias_stride_and_dilation_match_eager():
+    torch.manual_seed(0)
+    model = _ThreeWay()
+    x, y = torch.randn(2, 3, 17, 15), torch.randn(2, 6, 9, 8)
+    prog = trace(model, (x, y), loss_fn=F.mse_loss)
+    g = prog.graph
+    (site,) = split_sites(g)
+    g2 = split_all(g, [site])
+    res = _check(model, (x, y), F.mse_loss, g2, prog.captured)
+    assert res.measured_peak < _check(model, (x, y), F.mse_loss, g, prog.captured).measured_peak
+
+
+class _CatReadTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.c = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(7, 4, 3, padding=1)
+
+    def forward(self, x):
+        h = torch.cat([self.a(x), x], 1)
+        return self.c(h) + h[:, :4]
+
+
+def test_a_cat_with_another_reader_is_left_whole():
+    torch.manual_seed(0)
+    model = _CatReadTwice()
+    x, y = torch.randn(2, 3, 8, 8), torch.randn(2, 4, 8, 8)
+    g = trace(model, (x, y), loss_fn=F.mse_loss).graph
+    assert split_sites(g) == []
+    conv = next(n for n in g.ops if n.target == "aten.convolution.default"
+                and g.nodes[n.args[0].node].target == "aten.cat.default")
+    assert "reads the cat" in why_not_split(g, conv.id)
+    with pytest.raises(ValueError, match="cannot split"):
+        split_all(g, [conv.id])
+
+
+def test_the_search_starts_from_the_split_where_it_costs_nothing():
+    case = zoo.build("unet", "paper", device="meta")
+    kw = dict(loss_fn=case.loss_fn, device_profile="rtx3090", time_budget=60, max_states=1)
+    res = magis_nb.optimize(case.model, case.inputs, **kw)
+    # simulated RTX 3090: the four splits lower the peak and take no time, and
+    # the first state the search proposes has them
+    assert sum(a.startswith("split ") for a in res.plan.algebra) == 4
+    assert res.plan.peak < res.before.peak and res.plan.latency <= res.before.latency
+    assert not res.before.algebra
+    off = magis_nb.optimize(case.model, case.inputs, algebra=False, **kw)
+    assert not off.plan.algebra and off.plan.peak > res.plan.peak
