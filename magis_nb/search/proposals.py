@@ -209,19 +209,29 @@ def cat_splits(space: Space, st: State) -> list[Split]:
 
 
 def split_first(space: Space, root: State) -> State:
-    """``root`` with every convolution of a cat run one per piece, where that
-    lowers neither its peak nor its speed by the space's cost model (the paper
-    U-Net, simulated RTX 3090: peak x0.88, latency x0.997): the search then
-    starts from it, and every plan has it. A split proposed by a state comes
-    after the swaps and remats already in it, and a swapped cat cannot be
-    split."""
+    """``root`` with the convolutions of a cat that run one per piece (Note [a
+    convolution of a cat] in `rules.cat_conv`) for free: all of them where
+    together they lower neither the peak nor the speed by the space's cost
+    model (paper U-Net, simulated RTX 3090: peak x0.88, latency x0.997), else
+    those that do not alone (paper U-Net++: a cat of five pieces costs four
+    sums, all ten splits x1.005). The search starts from it and every plan has
+    them; the others are proposed for the peak's cats (`cat_splits`), after
+    the swaps and remats already in a state (a swapped cat cannot be split)."""
     sites = split_sites(root.graph) if space.algebra else []
+
+    def trial(ids):
+        b = Batch("split", frozenset(Split(root.graph.nodes[i].name) for i in ids))
+        g, batches = space.build(root.plan, root.batches + (b,))
+        st = space.evaluate(root.plan, batches, g)
+        return st if st.peak <= root.peak and st.latency <= root.latency else None
+
     if not sites:
         return root
-    b = Batch("split", frozenset(Split(root.graph.nodes[i].name) for i in sites))
-    g, batches = space.build(root.plan, root.batches + (b,))
-    st = space.evaluate(root.plan, batches, g)
-    return st if st.peak <= root.peak and st.latency <= root.latency else root
+    st = trial(sites)
+    if st is None and len(sites) > 1:
+        free = [i for i in sites if trial([i]) is not None]
+        st = trial(free) if free else None
+    return st or root
 
 
 def exchanges(space: Space, st: State, limit: int = SINGLE) -> list[tuple]:
