@@ -193,7 +193,7 @@ def cat_splits(space: Space, st: State) -> list[Split]:
     convolution of a cat] in `rules.cat_conv`), biggest first: the cat's
     storage then goes, and its pieces are saved (and swapped or recomputed)
     as themselves."""
-    if not space.algebra:
+    if not space.split_cats:
         return []
     g = st.graph
     out = []
@@ -217,7 +217,7 @@ def split_first(space: Space, root: State) -> State:
     sums, all ten splits x1.005). The search starts from it and every plan has
     them; the others are proposed for the peak's cats (`cat_splits`), after
     the swaps and remats already in a state (a swapped cat cannot be split)."""
-    sites = split_sites(root.graph) if space.algebra else []
+    sites = split_sites(root.graph) if space.split_cats else []
 
     def trial(ids):
         b = Batch("split", frozenset(Split(root.graph.nodes[i].name) for i in ids))

@@ -181,6 +181,9 @@ class Space:
         self.comm = comm            # data parallel: gradient buckets priced in every state
         self.algebra = algebra      # kill switch for the merge/sink rules (proposals)
         self.swap = swap            # kill switch for swapping (pricing.ranked)
+        # Note [a convolution of a cat] in rules/cat_conv.py: not on CPU op
+        # timings, which price the split as free where the step measures it slower
+        self.split_cats = algebra and not _cpu_timed(cost)
         self.base = program.graph
         self.costs = _CostTable(cost, sync_copies=not async_copies)
         self.blocks = BlockCache()  # a child's blocks are mostly its parent's
@@ -366,6 +369,11 @@ class Space:
         tl, mg, refs = _simulate(g2, order2)
         latency = self._latency(g2, order2, [(b.nbytes, b.node) for b in buckets])
         return latency, tl, mg, refs, g2
+
+
+def _cpu_timed(cost) -> bool:
+    from ..simulate.measured import MeasuredCost
+    return isinstance(cost, MeasuredCost) and str(cost.device) == "cpu"
 
 
 def _simulate(graph: Graph, order: list[int]):
