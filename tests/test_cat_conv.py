@@ -14,6 +14,7 @@ from magis_nb import zoo
 from magis_nb.program import trace
 from magis_nb.rules.cat_conv import split_all, split_sites, why_not_split
 from magis_nb.runtime import OptimizedModule
+from magis_nb.search.proposals import cat_splits, proposals
 from magis_nb.simulate.memory import simulate_memory
 from magis_nb.verify import Reference
 
@@ -109,6 +110,13 @@ def test_the_search_starts_from_the_split_where_it_costs_nothing():
     assert not res.before.algebra
     off = magis_nb.optimize(case.model, case.inputs, algebra=False, **kw)
     assert not off.plan.algebra and off.plan.peak > res.plan.peak
+    # a state without them proposes them for the cats at its peak, biggest first
+    space = res.builder.space
+    plain = space.evaluate((), (), res.before.state.graph)
+    splits = cat_splits(space, plain)
+    assert splits and splits[0].op == "convolution_20"   # the full-resolution block
+    kids = {rule for rule, *_ in proposals(space, plain)}
+    assert "split" in kids and (len(splits) == 1 or f"splitx{len(splits)}" in kids)
 
 
 def test_cpu_op_timings_leave_the_cats_whole():

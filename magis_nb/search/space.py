@@ -76,7 +76,7 @@ class Split(NamedTuple):
 
 class Batch(NamedTuple):
     kind: str                   # "swap" | "remat" | "merge" | "sink" | "split"
-    specs: frozenset            # of Swap, Remat, Merge or Sink
+    specs: frozenset            # of Swap, Remat, Merge, Sink or Split
 
 
 @dataclass(eq=False)
