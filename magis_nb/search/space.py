@@ -265,7 +265,11 @@ class Space:
     def evaluate(self, plan: tuple, batches: tuple, graph: Graph, *,
                  parent: State | None = None, touched: set[str] | None = None,
                  digest: bytes | None = None) -> State:
-        mg, op_ids, refs = graph.memgraph()
+        # Note [elementwise ops in place]: the same kernels (same node ids),
+        # priced on ``graph``; the memory, and so the schedule, is the
+        # rewritten program's
+        ip, last = self.in_place(graph) or (None, {})
+        mg, op_ids, refs = (ip or graph).memgraph()
         if parent is not None and touched and _local(parent.sched_names, touched):
             s = reschedule(mg, parent.sched_names, touched, cache=self.blocks)
         else:
@@ -274,18 +278,12 @@ class Space:
         index = {nid: i for i, nid in enumerate(op_ids)}
         if self.async_copies:
             nodes = self.placed(graph, nodes, simulate_memory(mg, s.order).live)
-        # Note [elementwise ops in place]: the same kernels, priced on
-        # ``graph``; the memory is the rewritten program's
-        ip, last = self.in_place(graph) or (None, {})
         meta = {} if ip is None else {"runs": (ip, nodes)}
         if self.comm is not None:
             latency, tl, mg, refs, _ = self.with_buckets(ip or graph, nodes)
         else:
             latency = self._latency(graph, nodes)
-            if ip is None:
-                tl = simulate_memory(mg, [index[v] for v in nodes])
-            else:
-                tl, mg, refs = _simulate(ip, nodes)
+            tl = simulate_memory(mg, [index[v] for v in nodes])
         peak = tl.peak
         if self.phased:
             peak, latency, fmeta = self.fused(graph, nodes, peak, latency, tight)
