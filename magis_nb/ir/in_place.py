@@ -20,8 +20,10 @@ and once that is in place, the ReLU a remat remakes there.
 the plan's order still applies). Whether ``x`` has another reader does not
 depend on the order, so any order of the plan may run it. The kernels are the
 same, so a plan is priced on the graph before this rewrite; only its memory
-changes. The program PyTorch runs (the unoptimized plan) is eager's own and is
-never rewritten.
+changes, and the search schedules each state on that memory (scheduled on the
+graph before it, the order minimized a peak the rewrite then removed: paper
+U-Net, a ReLU's separate output). The program PyTorch runs (the unoptimized
+plan) is eager's own and is never rewritten.
 """
 from __future__ import annotations
 
