@@ -34,29 +34,17 @@ gradient is read only by slices that each take one piece's channels.
 """
 from __future__ import annotations
 
-import math
 from typing import Iterable
 
 import torch
 
 from ..ir.graph import Graph, Node, Ref, TensorInfo
 from ..ir.passes import Rewriter, written_in_place
+from .algebra import _nbytes, direct_readers
 
 aten = torch.ops.aten
 CAT, CONV = "aten.cat.default", "aten.convolution.default"
 CONV_BWD, SLICE = "aten.convolution_backward.default", "aten.slice.Tensor"
-
-
-def _nbytes(shape, dtype) -> int:
-    return math.prod(shape) * dtype.itemsize
-
-
-def _direct(g: Graph) -> dict[Ref, list[int]]:
-    out: dict[Ref, list[int]] = {}
-    for n in g.ops:
-        for r in set(n.refs()):
-            out.setdefault(r, []).append(n.id)
-    return out
 
 
 def _pieces(g: Graph, cat: Node) -> list[tuple[Ref, int, int]] | None:
@@ -106,7 +94,7 @@ def why_not_split(g: Graph, conv: int, rd: dict | None = None) -> str | None:
         return "in a fission region"
     if src in g.outputs or src in written_in_place(g):
         return "the cat is an output or written in place"
-    rd = _direct(g) if rd is None else rd
+    rd = direct_readers(g) if rd is None else rd
     params = f.args[3:9]
     dep = {d for n in g.nodes for d in n.deps}
     for v in rd.get(src, ()):
@@ -143,7 +131,7 @@ def _grad_slices(g: Graph, rd, b: int, pieces) -> dict[int, int] | None:
 
 def split_sites(g: Graph) -> list[int]:
     """Every convolution of a cat that `why_not_split` accepts, in program order."""
-    rd = _direct(g)
+    rd = direct_readers(g)
     return [n.id for n in g.ops if n.target == CONV and why_not_split(g, n.id, rd) is None]
 
 
@@ -151,7 +139,7 @@ def split_all(g: Graph, convs: Iterable[int]) -> Graph:
     """Each of ``convs`` (see `why_not_split`) as one convolution per piece of its
     cat, its backwards likewise; the sum keeps the convolution's name."""
     convs = list(convs)
-    rd = _direct(g)
+    rd = direct_readers(g)
     for c in convs:
         why = why_not_split(g, c, rd)
         if why:

@@ -266,9 +266,11 @@ def repoints(st: State) -> list[tuple]:
             continue
         late = {g.nodes[u].name for u in readers if pos.get(u, -1) > st.peak_step
                 and not is_store(g, u) and rd_region(g, u) == rd_region(g, r.node)}
+        if not late:
+            continue
         src, found, batches = g.nodes[r.node].name, False, []
         for b in st.batches:
-            if b.kind == "swap" and late and not found:
+            if b.kind == "swap" and not found:
                 specs = set(b.specs)
                 for s in b.specs:
                     if s.producer == src and s.out == r.out:
