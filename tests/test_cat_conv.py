@@ -127,3 +127,38 @@ def test_cpu_op_timings_leave_the_cats_whole():
                             time_budget=120, max_states=3, verify=False)
     assert not res.builder.space.split_cats
     assert not any(a.startswith("split ") for p in res.pareto for a in p.algebra)
+
+
+def test_backward_alone_keeps_the_forward_and_matches_eager():
+    # Note [a backward of a cat, one per piece]: the forward convolution of
+    # the cat stays, the backwards run per piece, and nothing after the
+    # forward reads the cat
+    case = zoo.build("unet", "tiny")
+    prog = trace(case.model, case.inputs, loss_fn=case.loss_fn)
+    g = prog.graph
+    sites = split_sites(g, backward=True)
+    assert len(sites) == 4
+    g2 = split_all(g, sites, whole_forward=sites)
+    cat = "aten.cat.default"
+    assert sum(n.target == cat for n in g2.ops) == sum(n.target == cat for n in g.ops) + 4  # the weight gradients' cats
+    convs = {n.name for n in g2.ops if n.target == "aten.convolution.default"}
+    assert {g.nodes[s].name for s in sites} <= convs
+    for s in sites:
+        name = g.nodes[s].name
+        f = next(n for n in g2.ops if n.name == name)
+        assert g2.nodes[f.args[0].node].target == cat
+        assert len(g2.readers()[f.args[0]]) == 1      # the forward alone reads it
+    # a cat whose backward is split has nothing left to split there
+    assert split_sites(g2, backward=True) == []
+    assert set(split_sites(g2)) == {n.id for n in g2.ops if n.name in {g.nodes[s].name for s in sites}}
+    res = _check(case.model, case.inputs, case.loss_fn, g2, prog.captured)
+    assert res.measured_peak < _peak(g)
+
+
+def test_three_pieces_backward_alone_matches_eager():
+    torch.manual_seed(0)
+    model = _ThreeWay()
+    x, y = torch.randn(2, 3, 17, 15), torch.randn(2, 6, 9, 8)
+    prog = trace(model, (x, y), loss_fn=F.mse_loss)
+    (site,) = split_sites(prog.graph)
+    _check(model, (x, y), F.mse_loss, split_all(prog.graph, [site], whole_forward=[site]), prog.captured)

@@ -28,6 +28,17 @@ failed their measured latency budget (lat 1.10: 0.608 where the search
 without splits reached 0.384). The search therefore uses the split on
 simulated devices and GPU timings only (`Space.split_cats`).
 
+Note [a backward of a cat, one per piece]
+The forward's split costs a sum per piece after the first, of the
+convolution's output: on the paper U-Net++'s five-piece cats that is more
+than the cat it replaces. Its backward's split costs nothing (the same
+convolutions, the weight gradient's cat is small), and the backward is where
+the cat's weight gradient reads it and where its input gradient, as big as
+the cat, waits in one storage for the last piece's reader. Split alone (the
+forward keeps one convolution of the cat), the cat lives from its making to
+the forward convolution only, and each piece's gradient is made when the
+schedule wants it.
+
 Only where every reader of the cat is the convolution (groups 1, not
 transposed) or a backward of it with the same weight, and the backward's input
 gradient is read only by slices that each take one piece's channels.
@@ -129,16 +140,22 @@ def _grad_slices(g: Graph, rd, b: int, pieces) -> dict[int, int] | None:
     return out
 
 
-def split_sites(g: Graph) -> list[int]:
-    """Every convolution of a cat that `why_not_split` accepts, in program order."""
+def split_sites(g: Graph, backward: bool = False) -> list[int]:
+    """Every convolution of a cat that `why_not_split` accepts, in program
+    order; with ``backward``, only those whose cat a backward still reads
+    (one whose backward is split already has nothing left to split there)."""
     rd = direct_readers(g)
-    return [n.id for n in g.ops if n.target == CONV and why_not_split(g, n.id, rd) is None]
+    return [n.id for n in g.ops if n.target == CONV and why_not_split(g, n.id, rd) is None
+            and (not backward or len(rd.get(n.args[0], ())) > 1)]
 
 
-def split_all(g: Graph, convs: Iterable[int]) -> Graph:
+def split_all(g: Graph, convs: Iterable[int], whole_forward: Iterable[int] = ()) -> Graph:
     """Each of ``convs`` (see `why_not_split`) as one convolution per piece of its
-    cat, its backwards likewise; the sum keeps the convolution's name."""
+    cat, its backwards likewise; the sum keeps the convolution's name. Those
+    in ``whole_forward`` keep their forward convolution of the cat and split
+    their backwards only (Note [a backward of a cat, one per piece])."""
     convs = list(convs)
+    whole = set(whole_forward)
     rd = direct_readers(g)
     for c in convs:
         why = why_not_split(g, c, rd)
@@ -174,13 +191,13 @@ def split_all(g: Graph, convs: Iterable[int]) -> Graph:
         return weights[c]
 
     def rule(rw: Rewriter, n: Node) -> bool:
-        if n.id in cat_of:
+        if n.id in cat_of and cat_of[n.id] not in whole:
             return True
         if n.id in slice_of:
             b, k = slice_of[n.id]
             rw.remap[Ref(n.id, 0)] = grads[(b, k)]
             return True
-        if n.id in cat_of.values():
+        if n.id in cat_of.values() and n.id not in whole:
             _emit_forward(rw, g, n, pieces[n.id], weight_slices(rw, n.id))
             return True
         if n.id in bwd_of:

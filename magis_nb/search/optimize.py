@@ -84,8 +84,8 @@ class _Builder:
                        for b in st.batches if b.kind == "swap" for s in b.specs)
         algebra = sorted([f"merge {'+'.join(s.ops)}" for b in st.batches if b.kind == "merge"
                           for s in b.specs]
-                         + [f"{b.kind} {s.op}" for b in st.batches if b.kind in ("sink", "split")
-                            for s in b.specs])
+                         + [f"{b.kind} {s.op}" + ("" if getattr(s, "forward", True) else " (backward)")
+                            for b in st.batches if b.kind in ("sink", "split") for s in b.specs])
         return Plan(st.peak, st.latency, regions, remat, swaps, st, algebra)
 
     def between(self, lo: Plan, hi: Plan) -> list[Plan]:

@@ -18,7 +18,7 @@ from .pricing import Ranked, batch_price, ranked
 from ..ir.graph import Ref
 from ..rules.remat import can_rematerialize, chain_to_live, swapped_copies
 from ..rules.swap import rd_region
-from ..rules.cat_conv import CAT, split_sites, why_not_split
+from ..rules.cat_conv import CAT, CONV, split_sites, why_not_split
 from .space import Batch, Remat, Space, Split, State, Swap, every_part
 from .transfers import is_store
 
@@ -192,21 +192,30 @@ def proposals(space: Space, st: State, algebra: AlgebraGains | None = None,
 
 
 def cat_splits(space: Space, st: State) -> list[Split]:
-    """The peak's cats read by a convolution that can run one per piece (Note [a
+    """The convolutions of the peak's cats that can run one per piece (Note [a
     convolution of a cat] in `rules.cat_conv`), biggest first: the cat's
     storage then goes, and its pieces are saved (and swapped or recomputed)
-    as themselves."""
+    as themselves. Each twice: whole, and its backward alone (Note [a backward
+    of a cat, one per piece]), which is also proposed where the cat's input
+    gradient is at the peak."""
     if not space.split_cats:
         return []
     g = st.graph
-    out = []
-    for _, ref in st.hot:
-        n = g.nodes[ref.node]
-        if n.target != CAT:
-            continue
-        for v in sorted(g.readers().get(ref, ())):
-            if g.nodes[v].args and g.nodes[v].args[0] == ref and why_not_split(g, v) is None:
-                out.append(Split(g.nodes[v].name))
+    rd = g.readers()
+    bwd = set(split_sites(g, backward=True))
+    cats = [(size, ref) for size, ref in st.hot if g.nodes[ref.node].target == CAT]
+    # a backward's input gradient: the cat it is the gradient of
+    cats += [(size, g.nodes[ref.node].args[1]) for size, ref in st.hot_grads
+             if isinstance(g.nodes[ref.node].args[1], Ref)
+             and g.nodes[g.nodes[ref.node].args[1].node].target == CAT]
+    out: list[Split] = []
+    for _, ref in sorted(cats, key=lambda t: -t[0]):
+        for v in sorted(rd.get(ref, ())):
+            if g.nodes[v].target == CONV and g.nodes[v].args[0] == ref \
+                    and why_not_split(g, v) is None:
+                for sp in (Split(g.nodes[v].name), Split(g.nodes[v].name, False)):
+                    if sp not in out and (sp.forward or v in bwd):
+                        out.append(sp)
                 break
     return out
 
@@ -218,24 +227,29 @@ def split_first(space: Space, root: State) -> State:
     model (paper U-Net, simulated RTX 3090: the last block's alone takes the
     peak x0.91 at latency x0.998), else
     those that do not alone (paper U-Net++: a cat of five pieces costs four
-    sums, all ten splits x1.005). The search starts from it and every plan has
-    them; the others are proposed for the peak's cats (`cat_splits`), after
-    the swaps and remats already in a state (a swapped cat cannot be split)."""
-    sites = split_sites(root.graph) if space.split_cats else []
+    sums, all ten splits x1.005); then, the same way, the backwards alone of
+    the others (Note [a backward of a cat, one per piece]). The search starts
+    from it and every plan has them; the others are proposed for the peak's
+    cats (`cat_splits`), after the swaps and remats already in a state (a
+    swapped cat cannot be split)."""
+    def trial(base, specs):
+        b = Batch("split", frozenset(specs))
+        g, batches = space.build(base.plan, base.batches + (b,))
+        st = space.evaluate(base.plan, batches, g)
+        return st if st.peak <= base.peak and st.latency <= base.latency else None
 
-    def trial(ids):
-        b = Batch("split", frozenset(Split(root.graph.nodes[i].name) for i in ids))
-        g, batches = space.build(root.plan, root.batches + (b,))
-        st = space.evaluate(root.plan, batches, g)
-        return st if st.peak <= root.peak and st.latency <= root.latency else None
-
-    if not sites:
-        return root
-    st = trial(sites)
-    if st is None and len(sites) > 1:
-        free = [i for i in sites if trial([i]) is not None]
-        st = trial(free) if free else None
-    return st or root
+    st = root
+    for forward in (True, False):
+        sites = split_sites(st.graph, not forward) if space.split_cats else []
+        specs = [Split(st.graph.nodes[i].name, forward) for i in sites]
+        if not specs:
+            continue
+        nxt = trial(st, specs)
+        if nxt is None and len(specs) > 1:
+            free = [sp for sp in specs if trial(st, [sp]) is not None]
+            nxt = trial(st, free) if free else None
+        st = nxt or st
+    return st
 
 
 # Note [readers of a stored tensor]

@@ -29,7 +29,7 @@ from ..ir.phased_norm import PHASED_TARGETS
 from ..ir.passes import written_in_place
 from ..program import Program
 from ..rules.algebra import merge_all, why_not_merge
-from ..rules.cat_conv import split_all, why_not_split
+from ..rules.cat_conv import CONV_BWD, split_all, why_not_split
 from ..rules.remat import can_rematerialize, recompute_graph, rematerialize_all
 from ..rules.scale import sink_all, why_not_sink
 from ..rules.swap import rd_region, swap_all
@@ -72,6 +72,7 @@ class Sink(NamedTuple):
 
 class Split(NamedTuple):
     op: str                     # a convolution of a cat, run one per piece (rules/cat_conv.py)
+    forward: bool = True        # False: its backward only (Note [a backward of a cat, one per piece])
 
 
 class Batch(NamedTuple):
@@ -93,6 +94,9 @@ class State:
     digest: bytes = b""
     depth: int = 0
     meta: dict = field(default_factory=dict)
+    # (bytes, tensor) of the input gradients of convolution backwards live at
+    # the peak: a cat's, split away per piece (`proposals.cat_splits`)
+    hot_grads: list = field(default_factory=list)
 
     @property
     def key(self) -> tuple:
@@ -288,18 +292,21 @@ class Space:
         if self.phased:
             peak, latency, fmeta = self.fused(graph, nodes, peak, latency, tight)
             meta = fmeta or meta
-        hot = []
+        hot, grads = [], []
         for i in tl.hotspots:
             st = mg.storages[i]
             r = last.get(refs[i], refs[i])
             if st.category == "activation" and st.producer >= 0 and st.size > 0:
                 hot.append((st.size, r))
+            elif r.out == 0 and r.node < len(graph.nodes) and graph.nodes[r.node].target == CONV_BWD:
+                grads.append((st.size, r))
         hot.sort(key=lambda t: (-t[0], t[1].node, t[1].out))
+        grads.sort(key=lambda t: (-t[0], t[1].node))
         self.evaluated += 1
         return State(plan, batches, graph, s.names, nodes, peak, latency, hot,
                      tl.peak_steps[0] if tl.peak_steps else 0,
                      digest if digest is not None else graph_digest(graph),
-                     0 if parent is None else parent.depth + 1, meta)
+                     0 if parent is None else parent.depth + 1, meta, grads)
 
     def placed(self, graph: Graph, tight: list[int], live: list[int] | None = None) -> list[int]:
         """``tight`` (the memory-aware order, node ids; ``live``: its bytes at
@@ -401,7 +408,8 @@ def _apply_algebra(g: Graph, batch: Batch) -> tuple[Graph, Batch]:
     if batch.kind == "sink":
         return sink_all(g, args), Batch("sink", frozenset(kept))
     if batch.kind == "split":
-        return split_all(g, args), Batch("split", frozenset(kept))
+        whole = [nid for nid, sp in zip(args, kept) if not sp.forward]
+        return split_all(g, args, whole), Batch("split", frozenset(kept))
     try:
         return merge_all(g, args), Batch("merge", frozenset(kept))
     except ValueError:
