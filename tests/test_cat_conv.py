@@ -15,6 +15,7 @@ from magis_nb.program import trace
 from magis_nb.rules.cat_conv import split_all, split_sites, why_not_split
 from magis_nb.runtime import OptimizedModule
 from magis_nb.search.proposals import cat_splits, proposals
+from magis_nb.search.space import Batch, Split
 from magis_nb.simulate.memory import simulate_memory
 from magis_nb.verify import Reference
 
@@ -162,3 +163,27 @@ def test_three_pieces_backward_alone_matches_eager():
     prog = trace(model, (x, y), loss_fn=F.mse_loss)
     (site,) = split_sites(prog.graph)
     _check(model, (x, y), F.mse_loss, split_all(prog.graph, [site], whole_forward=[site]), prog.captured)
+
+
+def test_a_cats_input_gradient_at_the_peak_proposes_its_backward_alone():
+    # U-Net++'s last block reads a cat of five pieces: at the unsplit
+    # program's peak (simulated RTX 3090) its backward's input gradient, as
+    # big as the cat, waits for the last piece's reader
+    case = zoo.build("unetpp", "tiny", device="meta")
+    res = magis_nb.optimize(case.model, case.inputs, loss_fn=case.loss_fn, device_profile="rtx3090",
+                            time_budget=60, max_states=1)
+    space = res.builder.space
+    st = space.evaluate((), (), res.before.state.graph)
+    g = st.graph
+    grads = {g.nodes[r.node].args[1] for _, r in st.hot_grads}
+    conv = next(n for n in g.ops if n.target == "aten.convolution.default" and n.args[0] in grads)
+    assert len(g.nodes[conv.args[0].node].args[0]) == 5
+    assert Split(conv.name, False) in cat_splits(space, st)
+    g2, batches = space.build((), (Batch("split", frozenset({Split(conv.name, False)})),))
+    assert batches and space.evaluate((), batches, g2).peak < st.peak
+    # and the program it makes is the eager step's
+    real = zoo.build("unetpp", "tiny")
+    prog = trace(real.model, real.inputs, loss_fn=real.loss_fn)
+    site = next(n.id for n in prog.graph.ops if n.name == conv.name)
+    _check(real.model, real.inputs, real.loss_fn, split_all(prog.graph, [site], whole_forward=[site]),
+           prog.captured)
