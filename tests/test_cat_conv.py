@@ -187,3 +187,35 @@ def test_a_cats_input_gradient_at_the_peak_proposes_its_backward_alone():
     site = next(n.id for n in prog.graph.ops if n.name == conv.name)
     _check(real.model, real.inputs, real.loss_fn, split_all(prog.graph, [site], whole_forward=[site]),
            prog.captured)
+
+
+def test_a_fission_parts_recomputed_cat_has_its_backward_split_in_every_part():
+    # A batch split of a U-Net++ backward recomputes each part's slice of a
+    # cat for its convolution's backward: no forward convolution reads it,
+    # the backward is the site, and the split is made in every part
+    case = zoo.build("unetpp", "tiny")
+    res = magis_nb.optimize(case.model, case.inputs, loss_fn=case.loss_fn, device_profile="rtx3090",
+                            time_budget=60, max_states=1, verify=False)
+    space = res.builder.space
+    for cid in range(len(space.cands)):
+        plan = ((cid, 2),)
+        g = space.fission_graph(plan)
+        inside = [i for i in split_sites(g, backward=True) if g.nodes[i].region]
+        if inside:
+            break
+    else:
+        pytest.fail("no fission part of the tiny U-Net++ holds a cat that only backwards read")
+    site = g.nodes[inside[0]]
+    assert site.target == "aten.convolution_backward.default" and site.name.endswith("_p0")
+    cat = g.nodes[site.args[1].node]
+    g2, batches = space.build(plan, (Batch("split", frozenset({Split(site.name, False)})),))
+    assert batches
+    names = {n.name for n in g2.ops}
+    assert cat.name not in names and cat.name[:-1] + "1" not in names     # both parts' cats
+    stem = site.name[:-len("_p0")]
+    assert {f"{stem}_part0_p0", f"{stem}_part0_p1"} <= names
+    st = space.evaluate(plan, batches, g2)
+    ref = Reference(case.model, case.inputs, case.loss_fn, "train")
+    out = ref.check(OptimizedModule(case.model, space.program.captured, *st.runs))
+    assert out.comparison.allclose, out.comparison.mismatches
+    assert out.measured_peak == st.peak

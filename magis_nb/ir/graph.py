@@ -13,6 +13,7 @@ are single nodes with several outputs; FX's getitem nodes are folded into refs.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -49,6 +50,12 @@ class LossSeed(float):
 
     def __reduce__(self):
         return (LossSeed, (float(self),))
+
+
+# The end of a fission part op's name: ``_p{k}`` (``_pv{k}`` a view made per
+# part), then what rewrites inside the part add (``_re``, ``_load``, ...).
+# Renaming it renames an op for another part (`search.space.every_part`).
+PART_SUFFIX = re.compile(r"_p(v?)(\d+)((?:_re|_var|_load|_store)*)$")
 
 
 class Region(NamedTuple):

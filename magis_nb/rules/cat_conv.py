@@ -49,7 +49,7 @@ from typing import Iterable
 
 import torch
 
-from ..ir.graph import Graph, Node, Ref, TensorInfo
+from ..ir.graph import PART_SUFFIX, Graph, Node, Ref, TensorInfo
 from ..ir.passes import Rewriter, written_in_place
 from .algebra import _nbytes, direct_readers
 
@@ -87,33 +87,55 @@ def _slice_range(n: Node, size: int) -> tuple[int, int] | None:
     return (start, end) if 0 <= start < end else None
 
 
+def _site(g: Graph, s: int):
+    """(cat, weight, stride..groups) that op ``s`` reads, for a convolution or
+    a convolution backward; None for another op."""
+    n = g.nodes[s]
+    if n.kind == "op" and n.target == CONV:
+        return n.args[0], n.args[1], tuple(n.args[3:9])
+    if n.kind == "op" and n.target == CONV_BWD:
+        return n.args[1], n.args[2], tuple(n.args[4:10])
+    return None
+
+
 def why_not_split(g: Graph, conv: int, rd: dict | None = None) -> str | None:
-    """None when convolution ``conv`` of a cat can run one convolution per piece."""
-    f = g.nodes[conv]
-    if f.kind != "op" or f.target != CONV:
+    """None when convolution ``conv`` of a cat can run one convolution per
+    piece. ``conv`` may also name a convolution backward whose cat no forward
+    convolution reads (a fission part's recomputed cat, Note [a backward of a
+    cat, one per piece]): its backwards alone then run per piece."""
+    site = _site(g, conv)
+    if site is None:
         return "not a convolution"
-    src = f.args[0]
+    src, weight, params = site
+    f = g.nodes[conv]
     if not isinstance(src, Ref) or g.nodes[src.node].target != CAT or src.out != 0:
         return "its input is not a cat"
     cat = g.nodes[src.node]
-    if f.args[6] or f.args[8] != 1:
+    if params[3] or params[5] != 1:
         return "a transposed or grouped convolution"
     pieces = _pieces(g, cat)
     if pieces is None:
         return "not a cat of two or more tensors along the channels"
-    if any(n.region or n.deps for n in (f, cat)):
+    backward = f.target == CONV_BWD
+    # a backward site may sit in a fission part, with its cat: its pieces are
+    # that part's (`every_part` makes it in each)
+    region = cat.region or None if backward else None
+    if (f.region or None) != region or (cat.region or None) != region or f.deps or cat.deps:
         return "in a fission region"
     if src in g.outputs or src in written_in_place(g):
         return "the cat is an output or written in place"
     rd = direct_readers(g) if rd is None else rd
-    params = f.args[3:9]
     dep = {d for n in g.nodes for d in n.deps}
-    for v in rd.get(src, ()):
-        if v == conv:
+    readers = rd.get(src, ())
+    if backward and conv != min(readers):
+        return f"{g.nodes[min(readers)].name} reads the cat first"
+    for v in readers:
+        if v == conv and not backward:
             continue
         b = g.nodes[v]
-        if b.target != CONV_BWD or b.args[1] != src or b.args[2] != f.args[1] \
-                or tuple(b.args[4:10]) != tuple(params) or b.region or v in dep:
+        if b.target != CONV_BWD or b.args[1] != src or b.args[2] != weight \
+                or tuple(b.args[4:10]) != params or (b.region or None) != region or b.deps \
+                or v in dep:
             return f"{b.name} reads the cat"
         if Ref(v, 0) in g.outputs:
             return f"{b.name}'s input gradient is an output"
@@ -142,50 +164,63 @@ def _grad_slices(g: Graph, rd, b: int, pieces) -> dict[int, int] | None:
 
 def split_sites(g: Graph, backward: bool = False) -> list[int]:
     """Every convolution of a cat that `why_not_split` accepts, in program
-    order; with ``backward``, only those whose cat a backward still reads
-    (one whose backward is split already has nothing left to split there)."""
+    order. With ``backward``, those whose backwards can be split alone: such
+    a convolution whose cat a backward still reads (one whose backward is
+    split already has nothing left to split there), and the backwards that
+    are sites themselves."""
     rd = direct_readers(g)
-    return [n.id for n in g.ops if n.target == CONV and why_not_split(g, n.id, rd) is None
-            and (not backward or len(rd.get(n.args[0], ())) > 1)]
+    return [n.id for n in g.ops
+            if (n.target == CONV or backward and n.target == CONV_BWD)
+            and why_not_split(g, n.id, rd) is None
+            and (not backward or n.target == CONV_BWD or len(rd.get(n.args[0], ())) > 1)]
+
+
+def _tagged(name: str, tag: str) -> str:
+    """``name`` with ``tag`` before a fission part's suffix (``_p0``, ``_p0_re``),
+    which renaming per part (`search.space.every_part`) reads at the end."""
+    m = PART_SUFFIX.search(name)
+    return name + tag if m is None else name[:m.start()] + tag + name[m.start():]
 
 
 def split_all(g: Graph, convs: Iterable[int], whole_forward: Iterable[int] = ()) -> Graph:
     """Each of ``convs`` (see `why_not_split`) as one convolution per piece of its
     cat, its backwards likewise; the sum keeps the convolution's name. Those
     in ``whole_forward`` keep their forward convolution of the cat and split
-    their backwards only (Note [a backward of a cat, one per piece])."""
+    their backwards only (Note [a backward of a cat, one per piece]); so does
+    a backward named in ``convs``, whose cat then goes."""
     convs = list(convs)
-    whole = set(whole_forward)
+    whole = {c for c in whole_forward if g.nodes[c].target == CONV}
     rd = direct_readers(g)
     for c in convs:
         why = why_not_split(g, c, rd)
         if why:
             raise ValueError(f"cannot split {g.nodes[c].name}: {why}")
-    cat_of = {g.nodes[c].args[0].node: c for c in convs}
-    pieces = {c: _pieces(g, g.nodes[g.nodes[c].args[0].node]) for c in convs}
-    bwd_of: dict[int, int] = {}     # backward -> its convolution
+    site = {c: _site(g, c) for c in convs}
+    cat_of = {site[c][0].node: c for c in convs}
+    pieces = {c: _pieces(g, g.nodes[site[c][0].node]) for c in convs}
+    bwd_of: dict[int, int] = {}     # backward -> its site
     slice_of: dict[int, tuple[int, int]] = {}   # slice -> (backward, piece)
     for c in convs:
-        src = g.nodes[c].args[0]
-        for v in rd.get(src, ()):
-            if v != c:
+        for v in rd.get(site[c][0], ()):
+            if g.nodes[v].target == CONV_BWD:
                 bwd_of[v] = c
                 if g.nodes[v].outputs[0] is not None:
                     for s, k in _grad_slices(g, rd, v, pieces[c]).items():
                         slice_of[s] = (v, k)
-    weights: dict[int, list[Ref]] = {}     # convolution -> its weight's slices
+    weights: dict[int, list[Ref]] = {}     # site -> its weight's slices
     grads: dict[tuple[int, int], Ref] = {}  # (backward, piece) -> that piece's input gradient
 
-    def weight_slices(rw: Rewriter, c: int) -> list[Ref]:
+    def weight_slices(rw: Rewriter, c: int, at: Node) -> list[Ref]:
         if c not in weights:
-            f = g.nodes[c]
-            w = f.args[1]
+            w = site[c][1]
             wt = g.tensor(w)
             out = []
             for k, (_, off, ch) in enumerate(pieces[c]):
                 shape = (wt.shape[0], ch) + tuple(wt.shape[2:])
-                nid = rw.add(f"{f.name}_w{k}", SLICE, aten.slice.Tensor, (rw.fix(w), 1, off, off + ch),
-                             {}, [TensorInfo(shape, wt.dtype, 0, rw.fix(w))], g.nodes[w.node].category)
+                nid = rw.add(_tagged(g.nodes[c].name, f"_w{k}"), SLICE, aten.slice.Tensor,
+                             (rw.fix(w), 1, off, off + ch), {},
+                             [TensorInfo(shape, wt.dtype, 0, rw.fix(w))], g.nodes[w.node].category)
+                rw.nodes[nid].region = at.region
                 out.append(Ref(nid, 0))
             weights[c] = out
         return weights[c]
@@ -197,13 +232,13 @@ def split_all(g: Graph, convs: Iterable[int], whole_forward: Iterable[int] = ())
             b, k = slice_of[n.id]
             rw.remap[Ref(n.id, 0)] = grads[(b, k)]
             return True
-        if n.id in cat_of.values() and n.id not in whole:
-            _emit_forward(rw, g, n, pieces[n.id], weight_slices(rw, n.id))
-            return True
         if n.id in bwd_of:
             c = bwd_of[n.id]
             used = {k for s, (b, k) in slice_of.items() if b == n.id}
-            _emit_backward(rw, g, n, pieces[c], weight_slices(rw, c), used, grads)
+            _emit_backward(rw, g, n, pieces[c], weight_slices(rw, c, n), used, grads)
+            return True
+        if n.id in site and n.target == CONV and n.id not in whole:
+            _emit_forward(rw, g, n, pieces[n.id], weight_slices(rw, n.id, n))
             return True
         return False
 
@@ -217,13 +252,13 @@ def _emit_forward(rw: Rewriter, g: Graph, f: Node, pieces, ws: list[Ref]) -> Non
         args = list(f.args)
         args[0], args[1] = rw.fix(p), w
         args[2] = None if k else rw.fix(f.args[2]) if isinstance(f.args[2], Ref) else f.args[2]
-        y = rw.add(f"{f.name}_part{k}", CONV, f.op, args, dict(f.kwargs),
+        y = rw.add(_tagged(f.name, f"_part{k}"), CONV, f.op, args, dict(f.kwargs),
                    [TensorInfo(out.shape, out.dtype, out.nbytes)], f.category)
         if acc is None:
             acc = Ref(y, 0)
             continue
         last = k == len(pieces) - 1
-        s = rw.add(f.name if last else f"{f.name}_sum{k}", "aten.add.Tensor", aten.add.Tensor,
+        s = rw.add(f.name if last else _tagged(f.name, f"_sum{k}"), "aten.add.Tensor", aten.add.Tensor,
                    (acc, Ref(y, 0)), {}, [TensorInfo(out.shape, out.dtype, out.nbytes)],
                    f.category, keep_name=last)
         acc = Ref(s, 0)
@@ -245,14 +280,17 @@ def _emit_backward(rw: Rewriter, g: Graph, b: Node, pieces, ws: list[Ref], used:
         outs = [TensorInfo(pt.shape, pt.dtype, _nbytes(pt.shape, pt.dtype)) if m[0] else None,
                 TensorInfo(wt.shape, wt.dtype, _nbytes(wt.shape, wt.dtype)) if m[1] else None,
                 b.outputs[2] if m[2] else None]
-        nid = rw.add(f"{b.name}_part{k}", CONV_BWD, b.op, args, dict(b.kwargs), outs, b.category)
+        nid = rw.add(_tagged(b.name, f"_part{k}"), CONV_BWD, b.op, args, dict(b.kwargs), outs,
+                     b.category)
         rw.nodes[nid].multi = b.multi
+        rw.nodes[nid].region = b.region
         grads[(b.id, k)] = Ref(nid, 0)
         if k == 0 and m[2]:
             rw.remap[Ref(b.id, 2)] = Ref(nid, 2)
         gw.append(Ref(nid, 1))
     if mask[1]:
         wt = b.outputs[1]
-        cat = rw.add(f"{b.name}_weight", CAT, aten.cat.default, (gw, 1), {},
+        cat = rw.add(_tagged(b.name, "_weight"), CAT, aten.cat.default, (gw, 1), {},
                      [TensorInfo(wt.shape, wt.dtype, _nbytes(wt.shape, wt.dtype))], b.category)
+        rw.nodes[cat].region = b.region
         rw.remap[Ref(b.id, 1)] = Ref(cat, 0)

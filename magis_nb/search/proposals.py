@@ -18,7 +18,7 @@ from .pricing import Ranked, batch_price, ranked
 from ..ir.graph import Ref
 from ..rules.remat import can_rematerialize, chain_to_live, swapped_copies
 from ..rules.swap import rd_region
-from ..rules.cat_conv import CAT, CONV, split_sites, why_not_split
+from ..rules.cat_conv import CAT, split_sites
 from .space import Batch, Remat, Space, Split, State, Swap, every_part
 from .transfers import is_store
 
@@ -197,12 +197,13 @@ def cat_splits(space: Space, st: State) -> list[Split]:
     storage then goes, and its pieces are saved (and swapped or recomputed)
     as themselves. Each twice: whole, and its backward alone (Note [a backward
     of a cat, one per piece]), which is also proposed where the cat's input
-    gradient is at the peak."""
+    gradient is at the peak, and which is all there is to split of a cat that
+    only backwards read (a fission part's recomputed cat)."""
     if not space.split_cats:
         return []
     g = st.graph
     rd = g.readers()
-    bwd = set(split_sites(g, backward=True))
+    whole, bwd = set(split_sites(g)), set(split_sites(g, backward=True))
     cats = [(size, ref) for size, ref in st.hot if g.nodes[ref.node].target == CAT]
     # a backward's input gradient: the cat it is the gradient of
     cats += [(size, g.nodes[ref.node].args[1]) for size, ref in st.hot_grads
@@ -211,12 +212,13 @@ def cat_splits(space: Space, st: State) -> list[Split]:
     out: list[Split] = []
     for _, ref in sorted(cats, key=lambda t: -t[0]):
         for v in sorted(rd.get(ref, ())):
-            if g.nodes[v].target == CONV and g.nodes[v].args[0] == ref \
-                    and why_not_split(g, v) is None:
-                for sp in (Split(g.nodes[v].name), Split(g.nodes[v].name, False)):
-                    if sp not in out and (sp.forward or v in bwd):
-                        out.append(sp)
-                break
+            if v not in whole | bwd:
+                continue
+            name = g.nodes[v].name
+            for sp in ([Split(name)] if v in whole else []) + ([Split(name, False)] if v in bwd else []):
+                if sp not in out:
+                    out.append(sp)
+            break
     return out
 
 

@@ -12,7 +12,6 @@ Stores and Loads placed to hide transfers, and simulated for memory and latency.
 """
 from __future__ import annotations
 
-import re
 import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -22,7 +21,7 @@ from ..analysis.spatial import spatial_candidates
 from ..analysis.ftree import add_pack_twins
 from ..distributed import DataParallel, add_buckets
 from ..ir.digest import graph_digest
-from ..ir.graph import Graph, Ref, Region
+from ..ir.graph import PART_SUFFIX, Graph, Ref, Region
 from ..ir.in_place import rewrite_in_place
 from ..ir.phase_fusion import fuse_whole_phases
 from ..ir.phased_norm import PHASED_TARGETS
@@ -392,23 +391,30 @@ def _apply_algebra(g: Graph, batch: Batch) -> tuple[Graph, Batch]:
     """Merge/sink/split specs that apply on ``g`` (outside fission regions, ops present)."""
     ids = {n.name: n.id for n in g.nodes}
     kept, args, used = [], [], set()
-    for s in sorted(batch.specs):
-        names = s.ops if batch.kind == "merge" else (s.op,)
-        nids = [ids.get(nm) for nm in names]
-        if None in nids or used & set(nids):
-            continue
-        why = why_not_merge(g, nids) if batch.kind == "merge" else why_not_sink(g, nids[0]) \
-            if batch.kind == "sink" else why_not_split(g, nids[0])
-        if why is None:
-            kept.append(s)
-            args.append(nids if batch.kind == "merge" else nids[0])
-            used.update(nids)
+    whole = []      # splits of the backward alone
+    for spec in sorted(batch.specs):
+        ok = False
+        # a backward's split in a fission part is made in every part
+        for s in every_part(g, ids, spec) if batch.kind == "split" else [spec]:
+            names = s.ops if batch.kind == "merge" else (s.op,)
+            nids = [ids.get(nm) for nm in names]
+            if None in nids or used & set(nids):
+                continue
+            why = why_not_merge(g, nids) if batch.kind == "merge" else why_not_sink(g, nids[0]) \
+                if batch.kind == "sink" else why_not_split(g, nids[0])
+            if why is None:
+                ok = True
+                args.append(nids if batch.kind == "merge" else nids[0])
+                used.update(nids)
+                if batch.kind == "split" and not s.forward:
+                    whole.append(nids[0])
+        if ok:
+            kept.append(spec)
     if not args:
         return g, Batch(batch.kind, frozenset())
     if batch.kind == "sink":
         return sink_all(g, args), Batch("sink", frozenset(kept))
     if batch.kind == "split":
-        whole = [nid for nid, sp in zip(args, kept) if not sp.forward]
         return split_all(g, args, whole), Batch("split", frozenset(kept))
     try:
         return merge_all(g, args), Batch("merge", frozenset(kept))
@@ -482,29 +488,28 @@ def _remat_arg(g: Graph, ids, rd, s: Remat):
 # Such a rewrite costs a state more than one outside the parts (it touches every
 # part, so no incremental schedule), and `pricing.ranked` lists them apart:
 # a state proposes them after all its other children (`proposals`).
-_PART = re.compile(r"_p(v?)(\d+)((?:_re|_var|_load|_store)*)$")
-
-
 def every_part(g: Graph, ids, spec):
-    """``spec`` (a Swap or Remat) once per part of the split region its op is in,
-    renamed for each part; ``[spec]`` outside a region (or when a name is not a
-    part op's)."""
+    """``spec`` (a Swap, Remat or Split) once per part of the split region its
+    op is in, renamed for each part; ``[spec]`` outside a region (or when a
+    name is not a part op's)."""
     head = ids.get(spec.producer if isinstance(spec, Swap) else spec.op)
     reg = g.nodes[head].region if head is not None else ()
     if not isinstance(reg, Region) or reg.parts < 2:
         return [spec]
     k = str(reg.part)
-    names = [spec.producer if isinstance(spec, Swap) else spec.op, *spec.users,
+    names = [spec.producer if isinstance(spec, Swap) else spec.op, *getattr(spec, "users", ()),
              *getattr(spec, "chain", ())]
-    if any(not (m := _PART.search(nm)) or m.group(2) != k for nm in names):
+    if any(not (m := PART_SUFFIX.search(nm)) or m.group(2) != k for nm in names):
         return [spec]
 
     def rename(nm: str, j: int) -> str:
-        return _PART.sub(lambda m: f"_p{m.group(1)}{j}{m.group(3)}", nm)
+        return PART_SUFFIX.sub(lambda m: f"_p{m.group(1)}{j}{m.group(3)}", nm)
 
     out = []
     for j in range(reg.parts):
-        if isinstance(spec, Swap):
+        if isinstance(spec, Split):
+            out.append(Split(rename(spec.op, j), spec.forward))
+        elif isinstance(spec, Swap):
             out.append(Swap(rename(spec.producer, j), spec.out,
                             frozenset(rename(u, j) for u in spec.users)))
         else:
