@@ -37,11 +37,14 @@ the cat's weight gradient reads it and where its input gradient, as big as
 the cat, waits in one storage for the last piece's reader. Split alone (the
 forward keeps one convolution of the cat), the cat lives from its making to
 the forward convolution only, and each piece's gradient is made when the
-schedule wants it.
+schedule wants it. A batch split of a backward recomputes each part's slice
+of such a cat for the backward alone (paper U-Net++, `cat_7_r_p0`): there
+the backward is the site, and its split is made in every part.
 
 Only where every reader of the cat is the convolution (groups 1, not
-transposed) or a backward of it with the same weight, and the backward's input
-gradient is read only by slices that each take one piece's channels.
+transposed) or a backward of it with the same weight (in one fission part
+only where no forward reads the cat), and the backward's input gradient is
+read only by slices that each take one piece's channels.
 """
 from __future__ import annotations
 
@@ -119,7 +122,7 @@ def why_not_split(g: Graph, conv: int, rd: dict | None = None) -> str | None:
     backward = f.target == CONV_BWD
     # a backward site may sit in a fission part, with its cat: its pieces are
     # that part's (`every_part` makes it in each)
-    region = cat.region or None if backward else None
+    region = (cat.region or None) if backward else None
     if (f.region or None) != region or (cat.region or None) != region or f.deps or cat.deps:
         return "in a fission region"
     if src in g.outputs or src in written_in_place(g):

@@ -204,6 +204,7 @@ def cat_splits(space: Space, st: State) -> list[Split]:
     g = st.graph
     rd = g.readers()
     whole, bwd = set(split_sites(g)), set(split_sites(g, backward=True))
+    sites = whole | bwd
     cats = [(size, ref) for size, ref in st.hot if g.nodes[ref.node].target == CAT]
     # a backward's input gradient: the cat it is the gradient of
     cats += [(size, g.nodes[ref.node].args[1]) for size, ref in st.hot_grads
@@ -212,7 +213,7 @@ def cat_splits(space: Space, st: State) -> list[Split]:
     out: list[Split] = []
     for _, ref in sorted(cats, key=lambda t: -t[0]):
         for v in sorted(rd.get(ref, ())):
-            if v not in whole | bwd:
+            if v not in sites:
                 continue
             name = g.nodes[v].name
             for sp in ([Split(name)] if v in whole else []) + ([Split(name, False)] if v in bwd else []):
