@@ -165,17 +165,25 @@ def _grad_slices(g: Graph, rd, b: int, pieces) -> dict[int, int] | None:
     return out
 
 
+def split_forms(g: Graph, v: int, rd: dict) -> tuple[bool, bool]:
+    """(whole, backward alone): the splits op ``v`` can take (``rd``: the
+    graph's `direct_readers`). A convolution that `why_not_split` accepts
+    splits whole, and its backwards alone while a backward still reads its
+    cat (one whose backward is split already has nothing left to split
+    there); a backward that is a site itself, its backwards alone."""
+    if why_not_split(g, v, rd) is not None:
+        return False, False
+    n = g.nodes[v]
+    if n.target == CONV_BWD:
+        return False, True
+    return True, len(rd.get(n.args[0], ())) > 1
+
+
 def split_sites(g: Graph, backward: bool = False) -> list[int]:
-    """Every convolution of a cat that `why_not_split` accepts, in program
-    order. With ``backward``, those whose backwards can be split alone: such
-    a convolution whose cat a backward still reads (one whose backward is
-    split already has nothing left to split there), and the backwards that
-    are sites themselves."""
+    """The ops that `split_forms` splits whole (with ``backward``: their
+    backwards alone), in program order."""
     rd = direct_readers(g)
-    return [n.id for n in g.ops
-            if (n.target == CONV or backward and n.target == CONV_BWD)
-            and why_not_split(g, n.id, rd) is None
-            and (not backward or n.target == CONV_BWD or len(rd.get(n.args[0], ())) > 1)]
+    return [n.id for n in g.ops if n.target in (CONV, CONV_BWD) and split_forms(g, n.id, rd)[backward]]
 
 
 def _tagged(name: str, tag: str) -> str:

@@ -18,7 +18,8 @@ from .pricing import Ranked, batch_price, ranked
 from ..ir.graph import Ref
 from ..rules.remat import can_rematerialize, chain_to_live, swapped_copies
 from ..rules.swap import rd_region
-from ..rules.cat_conv import CAT, split_sites
+from ..rules.algebra import direct_readers
+from ..rules.cat_conv import CAT, split_forms, split_sites
 from .space import Batch, Remat, Space, Split, State, Swap, every_part
 from .transfers import is_store
 
@@ -202,9 +203,7 @@ def cat_splits(space: Space, st: State) -> list[Split]:
     if not space.split_cats:
         return []
     g = st.graph
-    rd = g.readers()
-    whole, bwd = set(split_sites(g)), set(split_sites(g, backward=True))
-    sites = whole | bwd
+    rd = direct_readers(g)
     cats = [(size, ref) for size, ref in st.hot if g.nodes[ref.node].target == CAT]
     # a backward's input gradient: the cat it is the gradient of
     cats += [(size, g.nodes[ref.node].args[1]) for size, ref in st.hot_grads
@@ -213,10 +212,11 @@ def cat_splits(space: Space, st: State) -> list[Split]:
     out: list[Split] = []
     for _, ref in sorted(cats, key=lambda t: -t[0]):
         for v in sorted(rd.get(ref, ())):
-            if v not in sites:
+            whole, bwd = split_forms(g, v, rd)
+            if not (whole or bwd):
                 continue
             name = g.nodes[v].name
-            for sp in ([Split(name)] if v in whole else []) + ([Split(name, False)] if v in bwd else []):
+            for sp in ([Split(name)] if whole else []) + ([Split(name, False)] if bwd else []):
                 if sp not in out:
                     out.append(sp)
             break

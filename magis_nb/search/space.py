@@ -388,7 +388,8 @@ def _simulate(graph: Graph, order: list[int]):
 
 
 def _apply_algebra(g: Graph, batch: Batch) -> tuple[Graph, Batch]:
-    """Merge/sink/split specs that apply on ``g`` (outside fission regions, ops present)."""
+    """Merge/sink/split specs that apply on ``g`` (ops present; outside fission
+    regions, but for a backward's split in a part, made in every part)."""
     ids = {n.name: n.id for n in g.nodes}
     kept, args, used = [], [], set()
     whole = []      # splits of the backward alone
