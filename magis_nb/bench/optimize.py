@@ -20,7 +20,10 @@ its swap copies' time in the step against their price in the search
 lat_budget 1.10 and 1.05 and mem_budget 0.8 and 0.4: simulated memory ratio and
 latency overhead (nothing runs: the models live on the meta device), and the
 op floor: resident bytes plus the largest working set of one op, below which
-no plan that keeps every op whole (no fission) can go.
+no plan that keeps every op whole (no fission) can go; and, for a step with
+training BatchNorm, the lat floor: below it no plan of the search's space goes
+at that latency (the budget, or a memory budget's plan's latency), fission
+included (`search.floor`).
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from .. import zoo
 from ..capture import eager_step
 from ..rules.swap import swap_ops
 from ..search import optimize
+from ..search.floor import barrier_floor
 from ..simulate.memory import op_floor
 from ..timing import clear_grads, time_steps
 from ..verify import Reference
@@ -142,10 +146,16 @@ def paper_row(name: str, kind: str, budget: float, time_budget: float, profile: 
     res = optimize(case.model, case.inputs, loss_fn=case.loss_fn, time_budget=time_budget,
                    device_profile=profile, **kw)
     mg, _, _ = res.before.state.graph.memgraph()
+    # a lat row's floor is at its budget, a mem row's at its plan's latency
+    g, order = res.before.state.runs
+    floor = barrier_floor(g, order, res.builder.space.costs,
+                          budget if kind == "lat" else res.lat_ratio)
     return {"model": name, "size": "paper", "profile": profile, "budget_kind": kind,
             "budget": budget, "met": res.met, "mem_ratio": round(res.mem_ratio, 4),
             # no plan that keeps every op whole (no fission) goes below this
             "op_floor": round(op_floor(mg) / res.before.peak, 4),
+            # no plan at that latency goes below this (search/floor.py; BatchNorm steps only)
+            "lat_floor": round(floor.bytes / res.before.peak, 4) if floor else None,
             "lat_ratio": round(res.lat_ratio, 4), "measured": False, "allclose": None,
             "peak_before_MiB": round(res.before.peak / 2**20), "peak_after_MiB": round(res.plan.peak / 2**20),
             "applied": res.plan.applied, "states": res.states, "too_big": res.too_big,
@@ -195,7 +205,8 @@ def main(argv) -> int:
             for kind, b in only or PAPER_BUDGETS:
                 r = paper_row(name, kind, b, a.time_budget or 60.0, a.profile)
                 rows.append(r)
-                print(table([r], cols + [("op_floor", "op floor"), ("peak_before_MiB", "before MiB"),
+                print(table([r], cols + [("op_floor", "op floor"), ("lat_floor", "lat floor"),
+                                         ("peak_before_MiB", "before MiB"),
                                          ("peak_after_MiB", "after MiB"), ("applied", "applied"),
                                          ("states", "states"), ("seconds", "s")]), flush=True)
     write_json(a.json, rows)
