@@ -53,11 +53,11 @@ from typing import NamedTuple
 import rustworkx as rx
 
 from ..ir.graph import Graph, Ref
+from ..rules.cat_conv import CAT
 from ..rules.remat import can_rematerialize
 from ..simulate.cost import is_training_batch_norm
 
 BN_BACKWARD = "aten.native_batch_norm_backward.default"
-CAT = "aten.cat.default"
 BARRIERS = 3          # BatchNorm backwards tried: those with the most descendants
 LAMBDA_STEPS = 36     # golden-section steps over log(lambda)
 INF = float("inf")
@@ -87,10 +87,7 @@ def barrier_floor(g: Graph, order: list[int], costs, lat_budget: float) -> Floor
     total = sum(cost.values())
     limit = lat_budget * sum(costs.of(g, v) for v in order)
     rate = 2**30 / costs.transfer_cost(2**30)          # bytes per second
-    readers: dict[Ref, set[int]] = {}
-    for n in g.ops:
-        for r in n.refs():
-            readers.setdefault(g.storage_of(r), set()).add(n.id)
+    readers = g.readers()
     returned = {g.storage_of(r) for r in g.outputs}
     resident = sum(t.nbytes for n in g.inputs if n.category != "host"
                    for t in n.outputs if t is not None and t.alias is None)
