@@ -1,12 +1,14 @@
 """The generated program against eager PyTorch, and OptimizedModule's contract."""
 import copy
+import heapq
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from magis_nb.capture import eager_step
-from magis_nb.ir import Ref, graph_digest, iter_refs
+from magis_nb.ir import Ref, graph_digest
 from magis_nb.program import trace
 from magis_nb.verify import check_step, compare_models
 
@@ -126,8 +128,70 @@ def test_digest_is_stable_and_structural():
     assert [n.name for n in a.nodes] == [n.name for n in b.nodes]
 
 
+class _Branches(nn.Module):
+    """Three dropouts on independent branches: no data edge orders their draws."""
+
+    def __init__(self):
+        super().__init__()
+        self.ls = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        return sum(F.dropout(lin(x), 0.5, self.training) for lin in self.ls).pow(2).mean()
+
+
+def _latest_first(preds: list[list[int]]) -> list[int]:
+    """The topological order of ``preds`` that always runs the latest ready op:
+    the one furthest from program order (the last branch's ops before the first's)."""
+    succs, indeg = [[] for _ in preds], [len(p) for p in preds]
+    for v, ps in enumerate(preds):
+        for p in ps:
+            succs[p].append(v)
+    ready = [-v for v in range(len(preds)) if not indeg[v]]
+    heapq.heapify(ready)
+    out = []
+    while ready:
+        v = -heapq.heappop(ready)
+        out.append(v)
+        for s in succs[v]:
+            indeg[s] -= 1
+            if not indeg[s]:
+                heapq.heappush(ready, -s)
+    return out
+
+
 def test_rng_ops_are_chained_in_program_order():
-    g = trace(TiedLM(), (torch.randint(0, 50, (2, 5)),) * 2).graph
-    for n in g.ops:
-        for r in iter_refs((n.args, n.kwargs)):
-            assert r.node < n.id  # ids are a topological order
+    """Graph's RNG chain: every schedule keeps the RNG ops in captured order, so a
+    re-ordered program draws eager's random numbers (the same dropout masks).
+    The order that runs the latest ready op first reverses the branches; with
+    the chain its draws stay in captured order and the step matches eager under
+    the same seed. On data edges alone the same rule reverses the draws, and
+    that step does not match: the check sees the masks."""
+    torch.manual_seed(0)
+    model, x = _Branches().train(), torch.randn(16, 8)
+    prog = trace(model, (x,))
+    g, mg = prog.graph, prog.memgraph
+    captured = [n.id for n in g.ops if n.rng]
+    assert len(captured) == 3
+    order = _latest_first(mg.preds)
+    assert mg.is_topological(order)
+    nodes = prog.to_node_order(order)
+    addmms = [nid for nid in nodes if g.nodes[nid].target == "aten.addmm.default"]
+    assert addmms == sorted(addmms, reverse=True)        # the branches do run reversed
+    assert [nid for nid in nodes if g.nodes[nid].rng] == captured
+    mod = prog.module(order)
+    names = [g.nodes[nid].name for nid in captured]
+    lines = [ln.strip() for ln in mod.code.splitlines()]
+    drawn = [next(i for i, ln in enumerate(lines) if ln.startswith(nm + " = ")) for nm in names]
+    assert drawn == sorted(drawn)                       # the generated program draws in that order
+    chk = check_step(model, (x,), None, "train", lambda m: mod, seed=3)
+    assert chk.comparison.allclose, chk.comparison.mismatches
+
+    index = {nid: i for i, nid in enumerate(prog.op_ids)}
+    data_preds = [sorted({index[r.node] for r in g.nodes[nid].refs() if r.node in index}
+                         | {index[d] for d in g.nodes[nid].deps if d in index})
+                  for nid in prog.op_ids]
+    unchained = prog.to_node_order(_latest_first(data_preds))
+    assert [nid for nid in unchained if g.nodes[nid].rng] == captured[::-1]
+    chk = check_step(model, (x,), None, "train", lambda m: prog.module(_latest_first(data_preds)),
+                     seed=3)
+    assert not chk.comparison.allclose
