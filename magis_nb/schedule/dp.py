@@ -185,6 +185,14 @@ def _search(p: BlockProblem, width: int, bound: int | None, max_expansions: int 
     return order, peak, exact, states
 
 
+def beam_order(p: BlockProblem, width: int) -> list[int]:
+    """The local order of the level-wise search keeping the ``width`` best states
+    per level, with no upper bound (the search `solve_block` runs, without its
+    bound). Public so that `greedy_order`, which claims to be this search at
+    width 1 computed without bitmasks, can be held against it."""
+    return _search(p, width, None)[0]
+
+
 def solve_block(p: BlockProblem, hint: Sequence[int] | None = None, *,
                 budget: int = STATE_BUDGET) -> BlockResult:
     """Least-peak local order of ``p``; never worse than ``hint`` (a local order).
