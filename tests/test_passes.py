@@ -23,7 +23,7 @@ def test_dropout_is_decomposed_and_bit_exact():
     targets = [n.target for n in prog.graph.ops]
     assert "aten.native_dropout.default" not in targets
     assert targets.count("aten.bernoulli_.float") == 1
-    chk = check_step(m, (x,), None, "train", lambda _: prog.module(), seed=11, rtol=0, atol=0)
+    chk = check_step(m, (x,), None, "train", lambda _: prog.module(), seed=11, rtol=0, atol=0, rel_atol=0)
     assert chk.comparison.allclose, chk.comparison.mismatches
 
 
@@ -54,7 +54,7 @@ def test_metadata_asserts_are_dropped_and_the_step_is_unchanged():
     prog = trace(m, (x,))
     assert assert_op not in [n.target for n in prog.graph.ops]
     assert len(prog.graph.ops) == len(raw) - raw.count(assert_op)
-    chk = check_step(m, (x,), None, "train", lambda _: prog.module(), rtol=0, atol=0)
+    chk = check_step(m, (x,), None, "train", lambda _: prog.module(), rtol=0, atol=0, rel_atol=0)
     assert chk.comparison.allclose, chk.comparison.mismatches
 
 

@@ -28,7 +28,7 @@ from ..capture import eager_step
 from ..runtime.measure import measure_cpu, storage_bytes
 from ..snapshot import ModelSnapshot
 from ..timing import clear_grads, time_steps
-from ..verify import ATOL, RTOL, normalizes_by_batch
+from ..verify import ATOL, REL_ATOL, RTOL, normalizes_by_batch
 from ..verify import Reference as StepReference
 
 
@@ -155,11 +155,16 @@ class Reference:
             if a.shape != b.shape:
                 return False, float("inf"), False
             err = max(err, (a - b).abs().max().item() if a.numel() else 0.0)
-            ok = ok and torch.allclose(a, b, rtol=rtol, atol=atol + more)
+            ok = ok and torch.allclose(a, b, rtol=rtol, atol=atol + more + _rel(a))
         bextra = self.buffer_slack or [0.0] * len(self.buffers)
-        bufs = all(torch.allclose(a.float(), b.float(), rtol=rtol, atol=atol + more)
+        bufs = all(torch.allclose(a.float(), b.float(), rtol=rtol, atol=atol + more + _rel(a))
                    for a, b, more in zip(self.buffers, buffers, bextra, strict=True))
         return ok, err, bufs
+
+
+def _rel(a: torch.Tensor) -> float:
+    """The atol a tensor's own scale adds (verify.REL_ATOL)."""
+    return REL_ATOL * a.detach().float().abs().max().item() if a.numel() else 0.0
 
 
 def measure(case, strategy: str, make: Callable, reps: int = 7,

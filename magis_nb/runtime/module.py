@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Sequence
 
 import torch
@@ -322,6 +323,37 @@ class OptimizedModule(nn.Module):
             OptimizedModule.inference.fset(self, value)
         else:
             super().__setattr__(name, value)
+
+    def widened(self, model: nn.Module, dtype: torch.dtype = torch.float64) -> "OptimizedModule":
+        """The same plan (program, order, swaps, parts) run in ``dtype`` on ``model``,
+        a copy of this module's model with its float32 tensors in ``dtype``: what
+        the checks against eager hold to float64 (Note [checked in float64] in
+        verify.py). The program's float32 dtype arguments, input dtypes, lifted
+        constants and host buffers become ``dtype``; nothing else of the plan
+        changes. Raises ValueError for a program that computes in bf16/fp16 (an
+        autocast region: widening it would not be the same program)."""
+        if any(s in self.code for s in ("torch.bfloat16", "torch.float16")):
+            raise ValueError("the program computes in low precision (autocast casts): "
+                             "widening it would check another program")
+        w = copy.copy(self)
+        # nn.Module keeps children, parameters and buffers in dicts: the copy gets
+        # its own, so binding ``model`` leaves this module's as it is
+        for d in ("_modules", "_parameters", "_buffers"):
+            object.__setattr__(w, d, dict(getattr(self, d)))
+        w.model = model
+        wide = lambda t: t.to(dtype) if t.dtype == torch.float32 else t  # noqa: E731
+        w.code = self.code.replace("torch.float32", repr(dtype))
+        w.step_fn = compile_source(w.code)
+        w._input_meta = [(shape, dtype if dt == torch.float32 else dt)
+                         for shape, dt in self._input_meta]
+        w._consts = [wide(c) for c in self._consts]
+        w._consts_on = {}
+        w.host_buffers = [host_buffer(tuple(b.shape), b.stride(), dtype if b.dtype == torch.float32
+                                      else b.dtype, b.is_pinned()) for b in self.host_buffers]
+        w._copies = {}
+        w._inference = []
+        w.copies = None
+        return w
 
     def extra_repr(self) -> str:
         return f"mode={self.mode!r}, ops={len(self.order)}"
