@@ -444,7 +444,7 @@ def test_coarsen_takes_one_region_to_the_next_smaller_divisor():
 
 
 def test_the_every_block_plan_is_coarsened_within_the_memory_budget():
-    """`_Search.coarsen`: each region in turn in fewer parts while the plan stays
+    """`Search.coarsen`: each region in turn in fewer parts while the plan stays
     within the budget and gets faster, one try per region a pass. Priced here
     by hand: in n parts region 2 adds 256/n to the peak, region 3 32/n, and
     each n to the latency; under a limit of 40 region 2 stops at 8 parts and
@@ -468,7 +468,7 @@ def test_the_every_block_plan_is_coarsened_within_the_memory_budget():
                      [], 0)
 
     start = state({2: 16, 3: 16})
-    s = algorithm._Search(types.SimpleNamespace(cands=cands), start, Objective("mem", 40), 60.0,
+    s = algorithm.Search(types.SimpleNamespace(cands=cands), start, Objective("mem", 40), 60.0,
                           0, None, None, 1.0)
     tried = []
 

@@ -4,7 +4,7 @@ swap and remat batches whose lower-bound price exceeds what the state has left
 n along the region's line, would end past the budget."""
 from types import SimpleNamespace
 
-from magis_nb.search.algorithm import _Search
+from magis_nb.search.algorithm import Search
 from magis_nb.search.objective import Objective, SearchLog
 from magis_nb.search.pricing import Ranked, batch_price
 from magis_nb.search.proposals import BATCHES, batch_sizes
@@ -55,17 +55,17 @@ def test_a_mutation_is_skipped_when_the_line_predicts_it_over_the_budget():
     seen = {(): 4.64, ((7, 2),): 4.79, ((7, 16),): 5.04}
     st = SimpleNamespace(plan=((7, 16),))
     s = _search(5.10, seen)
-    assert _Search.too_slow(s, st, ((7, 32),))
+    assert Search.too_slow(s, st, ((7, 32),))
     assert s.log.over == 1
     # within a looser budget it is built; so is a mutation down, or of another region
     s = _search(5.40, seen)
-    assert not _Search.too_slow(s, st, ((7, 32),))
-    assert not _Search.too_slow(_search(5.10, seen), st, ((7, 8),))
-    assert not _Search.too_slow(_search(5.10, seen), st, ((7, 16), (9, 2)))
+    assert not Search.too_slow(s, st, ((7, 32),))
+    assert not Search.too_slow(_search(5.10, seen), st, ((7, 8),))
+    assert not Search.too_slow(_search(5.10, seen), st, ((7, 16), (9, 2)))
     # one point on the line predicts nothing
-    assert not _Search.too_slow(_search(5.10, {(): 4.64}), SimpleNamespace(plan=((7, 2),)),
+    assert not Search.too_slow(_search(5.10, {(): 4.64}), SimpleNamespace(plan=((7, 2),)),
                                 ((7, 4),))
     # under a memory budget nothing is predicted
     s = _search(5.10, seen)
     s.objective = Objective("mem", 1e9)
-    assert not _Search.too_slow(s, st, ((7, 32),))
+    assert not Search.too_slow(s, st, ((7, 32),))

@@ -7,6 +7,8 @@ import torch
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
+from magis_nb.search.report import result_html
+
 MODEL = '''
 import torch, torch.nn as nn, torch.nn.functional as F
 torch.manual_seed(0)
@@ -95,7 +97,7 @@ def test_result_bound_and_trains_like_eager(done):
         assert torch.allclose(p.grad, want[n], rtol=1e-4, atol=1e-5), n
     model.zero_grad()
     assert "def " in result.code and result.code == opt.code
-    html = result._repr_html_()
+    html = result_html(result)     # what the notebook displays (its _repr_html_)
     for part in ("budget", "peak memory", "step latency", "fission", "re-materialized",
                  "swapped to host", "search", "MiB", " ms"):
         assert part in html

@@ -6,7 +6,7 @@ import pytest
 import magis_nb
 from magis_nb import zoo
 from magis_nb.search.proposals import proposals
-from magis_nb.search.report import memory_kind
+from magis_nb.search.report import memory_kind, result_html
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def test_a_gpu_profile_swaps_and_says_it_ran_on_a_stand_in(mlp):
     assert "swap" in _rules(res)
     assert memory_kind(res) == ("planned for RTX 3090; device memory measured here as a "
                                 "stand-in, swapped bytes live in host memory")
-    assert "planned for RTX 3090" in res._repr_html_()
+    assert "planned for RTX 3090" in result_html(res)
     assert res.plan.swaps                   # remat 1; swap 1 when written
     assert res.measured.host_bytes > 0
     assert "host buffers" in res.table()

@@ -224,12 +224,18 @@ def test_magis_plus_inductor_keeps_the_plan_and_eager_numerics(swapping_plan):
     plain_r, comp = rows
     assert comp.error is None and comp.allclose is True and comp.max_err < 1e-5, comp
     assert plain_r.peak < 0.5 * ref_peak(case), (plain_r.peak, ref_peak(case))
-    # 1.20: GPT's tied embedding is one graph input since capture dedups tied tensors
-    # (Note [one placeholder per parameter]); its two gradients are summed inside the
-    # program, and inductor's schedule of that step peaks 14-17% over the plan (62.3
-    # and 63.9 vs 54.6 MB here, the plan searched on two tables of measured op costs;
-    # 1.05 held when the two gradients were summed outside). Without the opaque
-    # Store/Load it is 4x: the bound is there to catch that.
+    # The bound is there to catch the 4x of a plan compiled without the opaque
+    # Store/Load (Note [compiling a plan]), not to price inductor's own planning.
+    # Measured on this fixture (2026-12-07, 2-core CPU, swap 64; algebra 4): the
+    # plan peaks 55.09 MB as ATen, 63.85 MB compiled (x1.159; x1.17 in the run
+    # that set 1.20, so the bound leaves ~3%). Of the 8.75 MB, 3.16 MB is
+    # inductor's reorder_for_locality (off: 60.68 MB, x1.101); the rest is not
+    # its peak-memory reordering (toggled: 63.75 MB) nor fusion alone
+    # (max_fusion_size=1: 63.85 MB; with locality off too: 65.17 MB) and was not
+    # attributed further; the earlier reading (the tied embedding's two
+    # gradients summed inside the program) was not measured. The re-order-only
+    # program compiles 8% under its ATen peak (238.4 vs 259.9 MB): the excess
+    # is specific to the swapping plan.
     assert comp.peak <= 1.20 * plain_r.peak, (comp.peak, plain_r.peak)
 
 
@@ -325,16 +331,16 @@ def test_magis_candidates_build_their_module_at_the_first_step_and_release_it():
     assert cands and all(c.release is not None for c in cands)
     res = cands[0].step.__closure__          # the OptimizeResult the candidates share
     result = next(x.cell_contents for x in res if hasattr(x.cell_contents, "module_for"))
-    assert result._modules == {}             # nothing built before a candidate runs
+    assert result.built == 0             # nothing built before a candidate runs
     released = []
     for c in cands:
         c.release = (lambda r=c.release, s=c.setting: (r(), released.append(s)))
     rows = measure(case, "magis", lambda _: cands, reps=1)
     assert [r.setting for r in rows] == released and all(r.allclose for r in rows)
-    assert result._modules == {}             # each module dropped once measured
+    assert result.built == 0             # each module dropped once measured
     for c in cands:                          # host bytes read off the plan match its module's
         plan = next(p for p in result.pareto if p.applied == c.note and p.peak == c.extra["sim_peak"])
         pools = result.module_for(plan).host_buffers
         assert c.extra["host_bytes"] == sum(t.numel() * t.element_size() for t in pools)
         result.drop_module(plan)
-    assert result._modules == {}
+    assert result.built == 0

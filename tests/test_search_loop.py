@@ -22,7 +22,7 @@ def test_a_new_best_is_expanded_before_its_siblings(monkeypatch):
     prog = trace(case.model, case.inputs, loss_fn=case.loss_fn)
     space = Space(prog, make_cost("rtx3090"), async_copies=True)
     root = space.evaluate((), (), prog.graph)
-    s = algorithm._Search(space, root, Objective("lat", 3.0 * root.latency), 60.0, 0,
+    s = algorithm.Search(space, root, Objective("lat", 3.0 * root.latency), 60.0, 0,
                           None, None, 1.0)
     monkeypatch.setattr(algorithm, "enable_top", lambda *a: None)
     monkeypatch.setattr(algorithm, "proposals",

@@ -326,14 +326,14 @@ def test_a_child_predicted_to_end_past_the_budget_is_not_built(one_thread):
     time left is refused unbuilt and counted (paper GPT-Neo: a 60 s search ran
     300 s); a plan that fits is still built."""
     from magis_nb import zoo
-    from magis_nb.search.algorithm import _Search
+    from magis_nb.search.algorithm import Search
     from magis_nb.search.space import Space
     from magis_nb.simulate.cost import make_cost
     case = zoo.build("gpt", "tiny")
     prog = trace(case.model, case.inputs, loss_fn=case.loss_fn)
     space = Space(prog, make_cost("rtx3090"), async_copies=True)
     root = space.evaluate((), (), prog.graph)
-    s = _Search(space, root, Objective("lat", 3.0 * root.latency), 60.0, 0, None, None, 1.0)
+    s = Search(space, root, Objective("lat", 3.0 * root.latency), 60.0, 0, None, None, 1.0)
     c = max(range(len(space.cands)), key=lambda i: len(space.cands[i].ops))
     small, big = ((c, 2),), ((c, space.cands[c].max_n),)
     assert space.plan_ops(big) > space.plan_ops(small) > len(prog.graph.nodes)

@@ -591,7 +591,7 @@ def coarsenings(cands: list[Candidate], plan: dict[int, int]) -> list[tuple[str,
     """Every plan with one enabled region at the next smaller n above 1: the
     reverse of "mutate", not a rule of the paper's (its search walks n upward
     one divisor at a time). A search under a memory budget that jumped to many
-    parts at once (`_Search.every_block`: all blocks in 16) spends the memory it
+    parts at once (`Search.every_block`: all blocks in 16) spends the memory it
     has left on fewer parts where the peak is not, and fewer parts are faster."""
     out = []
     for i, n in sorted(plan.items()):

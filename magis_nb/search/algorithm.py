@@ -14,7 +14,7 @@ enabled on the root (`proposals.enable_top`), and every F-Tree child that
 lowers the peak starts a line search along its n: on a paper-size transformer
 the batch split of the whole step is the plan to find, and a state per lift and
 per divisor would not get there within a minute. When that region reads
-dropout masks, the line runs with them packed (`_Search.packed`).
+dropout masks, the line runs with them packed (`Search.packed`).
 
 Note [a state's cost before it is built]
 The clock is read between states, and one state of a big split costs more than
@@ -43,17 +43,19 @@ from .queues import Ladder, StateQueue, expanded
 from .space import Space, State
 
 RELAX = 1.1
-EXPAND = 8                 # children evaluated per pop (see _Search.run)
+EXPAND = 8                 # children evaluated per pop (see Search.run)
 DIVE_EVERY = 4             # a memory-budget search's dive turn while the ladder runs
 FISSION_RULES = ("enable", "enable-top", "lift", "mutate")
-BLOCK_PARTS = (16, 64)     # n of `_Search.every_block`'s plans
-EXPENSIVE = 5.0            # seconds a child is predicted to cost: `_Search.lat_limit`
+BLOCK_PARTS = (16, 64)     # n of `Search.every_block`'s plans
+EXPENSIVE = 5.0            # seconds a child is predicted to cost: `Search.lat_limit`
 
 Progress = Callable[[State, int, float, bool], None]
 
 
-class _Search:
-    """One run of Algorithm 3: its queues, what it has seen, and its clock."""
+class Search:
+    """One run of Algorithm 3: its queues, what it has seen, and its clock.
+    `search` is the entry point; the class is public so that its steps
+    (``too_slow``, ``coarsen``, ...) can be driven one at a time, as the tests do."""
 
     def __init__(self, space: Space, root: State, objective: Objective, time_budget: float,
                  seed: int, max_states: int | None, progress: Progress | None,
@@ -445,7 +447,7 @@ def search(space: Space, root: State, objective: Objective, *, time_budget: floa
     """Search plans from ``root`` for ``objective`` until ``time_budget`` seconds
     or ``max_states`` states are spent (Ctrl-C: the best so far, ``interrupted``).
     ``progress(best, states, seconds, done)`` is called a few times a second."""
-    s = _Search(space, root, objective, time_budget, seed, max_states, progress, progress_every)
+    s = Search(space, root, objective, time_budget, seed, max_states, progress, progress_every)
     with paused_gc():
         try:
             s.run(root)

@@ -43,7 +43,7 @@ class SearchLog:
     # cost before it is built] in search.algorithm)
     too_big: int = 0
     # F-Tree children not built under a latency budget: predicted over it
-    # (`_Search.too_slow`)
+    # (`Search.too_slow`)
     over: int = 0
 
 

@@ -98,7 +98,7 @@ def batch_sizes(cands: list, r: Ranked, headroom: float | None) -> list[int]:
     (paper BTLM split in 16: 128 swaps in the parts went x1.085 -> x1.170, and
     the remats x1.132; 40-50 s each). The prices are meant as lower bounds
     (`batch_price`), but they are read off the state's order, which the child's
-    schedule may change: `_Search.lat_limit` asks for this only where children
+    schedule may change: `Search.lat_limit` asks for this only where children
     are expensive."""
     if headroom is None:
         return [k for k in sorted(BATCHES, reverse=True) if len(cands) >= k]

@@ -266,6 +266,26 @@ class OptimizeResult:
             gc.collect()
 
     @property
+    def built(self) -> int:
+        """How many plans' modules are held (built by `module_for`, not dropped):
+        each holds its host buffers, so a caller timing many plans can check
+        that they do not pile up."""
+        return len(self._modules)
+
+    def plan_for_module(self, module: nn.Module) -> Plan | None:
+        """The plan of the pareto front or of ``refined`` whose module
+        `module_for` built as ``module`` (None: not one of them): what a
+        ``measure(module)`` callback of `fit_measured` is timing."""
+        return next((p for p in self.pareto + self.refined
+                     if self._modules.get(id(p)) is module), None)
+
+    def forget_modules(self) -> None:
+        """Start with no built modules, without touching those already handed
+        out: a `copy.copy` of a result shares its modules with the original
+        until this gives it its own (empty) set."""
+        self._modules = {}
+
+    @property
     def code(self) -> str:
         """Generated PyTorch source of the chosen plan."""
         return self.module.code
