@@ -62,7 +62,7 @@ def test_slider_moves_plan_and_rebinds(kernel_run):
     first_png, first_status = bytes(slider.image.value), slider.status.value
     assert first_png.startswith(b"\x89PNG") and slider.redraws == 1
     lowest = min(r.pareto, key=lambda p: p.peak)
-    target = lowest.peak / r.before.peak + 0.005
+    target = lowest.peak / r.reference_peak + 0.005
     assert abs(target - slider.slider.value) > 0.01, "slider already at the lowest plan"
     slider.slider.value = round(target, 2)       # what dragging does in the browser
     assert r.budget_kind == "mem" and abs(r.budget_ratio - round(target, 2)) < 1e-9

@@ -65,7 +65,7 @@ def infeasible_message(r: OptimizeResult) -> str:
     low = min(p.peak for p in plans)
     return (f"%%magis could not meet the memory budget {r.budget / MiB:.2f} MiB "
             f"(x{r.budget_ratio:.2f}): the lowest peak reached is {low / MiB:.2f} MiB "
-            f"(x{low / r.before.peak:.3f} of {r.before.peak / MiB:.2f} MiB) in "
+            f"(x{low / r.reference_peak:.3f} of {r.reference_peak / MiB:.2f} MiB) in "
             f"{r.seconds:.1f} s. Raise --mem, give the search more --time, or shrink the "
             "batch. Nothing was bound.")
 

@@ -29,7 +29,7 @@ class BudgetSlider:
         self.session = session
         self.plot = plot
         r = session.result
-        ratios = [p.peak / r.before.peak for p in r.pareto] or [r.mem_ratio]
+        ratios = [p.peak / r.reference_peak for p in r.pareto] or [r.mem_ratio]
         lo = math.floor(min(ratios) * 100) / 100
         hi = max(1.0, math.ceil(max(ratios) * 100) / 100)
         start = r.budget_ratio if r.budget_kind == "mem" and r.budget_ratio else r.mem_ratio

@@ -48,14 +48,33 @@ def _cost_model(device_profile, inputs):
     return cost, bool(getattr(cost, "async_copies", False)), getattr(cost, "label", repr(cost))
 
 
-def _parse_mem(budget, before_peak: int) -> tuple[float, float]:
-    """(bytes, ratio) from a ratio (<= 16) or a byte count."""
+def _parse_mem(budget, reference: int) -> tuple[float, float]:
+    """(bytes, ratio of ``reference``) from a ratio (<= 16) or a byte count."""
     b = float(budget)
     if b <= 0:
         raise ValueError(f"mem_budget must be positive, got {budget!r}")
     if b <= 16:
-        return b * before_peak, b
-    return b, b / before_peak
+        return b * reference, b
+    return b, b / reference
+
+
+# Note [the budget's baseline]
+# A user asking for ``mem_budget=0.5`` means half of what their training step
+# takes today, as they run it: eager PyTorch, with their own checkpointing
+# (torch.utils.checkpoint, HF's gradient_checkpointing_enable()). The captured
+# program is not that step: capture inlines a checkpoint's recomputation away
+# (a Llama with gradient checkpointing: 4.62 MiB captured against the user's
+# 1.85 MiB), and a slow path can allocate otherwise (MambaForCausalLM: 10.50
+# MiB against 6.21 MiB). So the safety net's eager step runs before the search
+# and its measured peak is the baseline: budgets and every ratio the user
+# reads are of it (`OptimizeResult.reference_peak`), the captured program's
+# ratio beside it where the two differ. No plan whose measured step is above
+# eager's is returned as if it were good: such plans leave the front (kept in
+# ``res.over_eager``), and when no plan the search found measures at or below
+# eager's step the lowest measured is returned with ``met=False`` and a message
+# that says to keep eager. Where eager's step is not run (``verify=False``, the
+# meta device) the baseline is the captured program, simulated, and the
+# message says so.
 
 
 class _Builder:
@@ -171,7 +190,17 @@ class _Builder:
             plan = self.choose(res, mem_budget, lat_budget)
             fail = self.rejection(res, plan)
             if fail is None:
-                break
+                over = self.over_eager(res, plan)
+                if over is None:
+                    break
+                res.over_eager.append((plan, over))
+                # plans simulated no lower would measure no lower: only lower ones are tried
+                lower = [p for p in res.pareto if p.peak < plan.peak]
+                if not lower:
+                    plan = self._lowest_over(res)
+                    break
+                res.pareto = lower
+                continue
             if plan.state is res.before.state:
                 raise PlanError(
                     "even the captured program, unoptimized, differs from eager PyTorch "
@@ -185,6 +214,27 @@ class _Builder:
             res.message += (f" ({len(res.failed)} plan(s) failed the check against eager "
                             "and were dropped: see .failed)")
         res.verified = True
+        return plan
+
+    def over_eager(self, res: OptimizeResult, plan: Plan) -> int | None:
+        """``plan``'s measured peak when it is above eager's step, else None (not
+        measured, or at most eager's: Note [the budget's baseline])."""
+        got = self.safety.measured.get(id(plan.state)) if self.safety is not None else None
+        if got is None or res.eager_peak is None or got[0] <= res.eager_peak:
+            return None
+        return got[0]
+
+    def _lowest_over(self, res: OptimizeResult) -> Plan:
+        """No plan measured at or below eager's step: the lowest measured, back on
+        the front, ``met=False``, and a message that says to keep eager."""
+        plan, peak = min(res.over_eager, key=lambda t: (t[1], t[0].latency))
+        if plan not in res.pareto:
+            res.pareto = sorted(res.pareto + [plan], key=lambda p: (p.peak, p.latency))
+        res.plan, res.met = plan, False
+        res.message = (f"no plan found measures at or below eager PyTorch's step as you run "
+                       f"it ({res.eager_peak / MiB:.2f} MiB): the lowest measured "
+                       f"{peak / MiB:.2f} MiB ({peak / res.eager_peak:.2f}x of eager's step); "
+                       "keep running the model eagerly, or search longer (time_budget)")
         return plan
 
     def rejects(self, res: OptimizeResult, plan: Plan) -> bool:
@@ -216,9 +266,9 @@ class _Builder:
     def choose(self, res: OptimizeResult, mem_budget=None, lat_budget=None) -> Plan:
         if mem_budget is not None and lat_budget is not None:
             raise ValueError("give mem_budget or lat_budget, not both")
-        before = res.before
+        before, ref = res.before, res.reference_peak
         if mem_budget is not None:
-            limit, ratio = _parse_mem(mem_budget, before.peak)
+            limit, ratio = _parse_mem(mem_budget, ref)
             kind = "mem"
         else:
             ratio = DEFAULT_LAT if lat_budget is None else float(lat_budget)
@@ -235,13 +285,13 @@ class _Builder:
         res.plan, res.met = plan, bool(ok)
         res.budget_kind = kind if (mem_budget is not None or lat_budget is not None) else None
         res.budget, res.budget_ratio = limit, ratio
-        mem = f"peak {plan.peak / MiB:.2f} MiB ({plan.peak / before.peak:.2f}x)"
+        mem = f"peak {plan.peak / MiB:.2f} MiB ({peak_ratios(res, plan.peak)})"
         lat = f"latency x{plan.latency / before.latency:.3f}"
         if kind == "mem":
             what = f"memory budget {limit / MiB:.2f} MiB ({ratio:.2f}x)"
             low = min(front, key=lambda p: (p.peak, p.latency))
             lowest = (f"{what} NOT met: the lowest peak reached is {low.peak / MiB:.2f} MiB "
-                      f"({low.peak / before.peak:.2f}x) at x{low.latency / before.latency:.3f}")
+                      f"({peak_ratios(res, low.peak)}) at x{low.latency / before.latency:.3f}")
             res.message = (f"{what} met: {mem}, {lat}" if ok else lowest if plan is low
                            else f"{lowest}; chosen within {NEAR - 1:.0%} of it, faster: {mem}, {lat}")
         else:
@@ -249,6 +299,17 @@ class _Builder:
             res.message = (f"{what} met: {mem}, {lat}" if ok else
                            f"{what} NOT met: the fastest plan found has {lat}, {mem}")
         return plan
+
+
+def peak_ratios(res: OptimizeResult, peak: int) -> str:
+    """``peak`` as a ratio of eager's measured step, and of the captured program
+    where the two differ by more than 1% (Note [the budget's baseline])."""
+    if res.eager_peak is None:
+        return f"{peak / res.before.peak:.2f}x of the captured program, simulated"
+    out = f"{peak / res.eager_peak:.2f}x of eager's step"
+    if abs(res.before.peak - res.eager_peak) > 0.01 * res.eager_peak:
+        out += f", {peak / res.before.peak:.2f}x of the captured program"
+    return out
 
 
 def _near_lowest(front: list[Plan]) -> Plan:
@@ -290,10 +351,11 @@ def _should_verify(verify: bool | None, model: nn.Module, inputs, peak: int) -> 
     return True
 
 
-def _objective(mem_budget, lat_budget, before: State) -> Objective:
-    """What the search optimizes for the budget (no budget: ``DEFAULT_LAT``)."""
+def _objective(mem_budget, lat_budget, before: State, reference: int) -> Objective:
+    """What the search optimizes for the budget (no budget: ``DEFAULT_LAT``); a
+    memory ratio is of ``reference`` (Note [the budget's baseline])."""
     if mem_budget is not None:
-        return Objective("mem", _parse_mem(mem_budget, before.peak)[0])
+        return Objective("mem", _parse_mem(mem_budget, reference)[0])
     ratio = DEFAULT_LAT if lat_budget is None else float(lat_budget)
     return Objective("lat", ratio * before.latency)
 
@@ -322,8 +384,10 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
              bucket_cap_mb: float | None = None) -> OptimizeResult:
     """Capture ``model``'s step on ``inputs`` and search for a plan within a budget.
 
-    ``mem_budget``: a ratio of the unoptimized peak (<= 16) or bytes: the fastest
-    plan under it. ``lat_budget``: a ratio of the unoptimized latency: the lowest
+    ``mem_budget``: a ratio (<= 16) of eager PyTorch's step as it runs today,
+    measured (``res.eager_peak``; the captured program's simulated peak where
+    eager's step is not run: Note [the budget's baseline]), or bytes: the fastest
+    plan under it; no plan measured above eager's step is returned as met. ``lat_budget``: a ratio of the unoptimized latency: the lowest
     peak within it. Neither: ``lat_budget=1.10``. ``device_profile``: None times
     ops on the inputs' device ("measured"); a profile name ("rtx3090", "a100",
     "h100", "h200", "cpu") plans with the roofline model of that device.
@@ -410,12 +474,25 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
             root = split_first(space, space.evaluate((), (), g))
         except Exception as e:  # noqa: BLE001
             raise PlanError(_bug("analysing the program", e, hint=True)) from e
-        objective = _objective(mem_budget, lat_budget, before)
+        # Note [the budget's baseline]: eager's step, measured, before the search
+        safety = None
+        if _should_verify(verify, model, inputs, before.peak):
+            try:
+                safety = SafetyNet(model, inputs, loss_fn, mode, seed,
+                                   low_precision=_low_precision(g),
+                                   phased=any(n.target in PHASED_TARGETS for n in g.ops))
+            except Exception as e:  # noqa: BLE001
+                raise PlanError(f"eager PyTorch's own step failed on these inputs "
+                                f"({type(e).__name__}: {e}); the plans cannot be checked "
+                                "against it: fix the model or pass verify=False") from e
+        eager_peak = safety.ref.eager_peak if safety is not None else None
+        objective = _objective(mem_budget, lat_budget, before,
+                               eager_peak if eager_peak is not None else before.peak)
 
         def report(best: State, states: int, elapsed: float, done: bool):
             if progress is not None:
                 progress(Progress(elapsed, float(time_budget), states, best.peak, best.latency,
-                                  before.peak, before.latency, done))
+                                  eager_peak or before.peak, before.latency, done))
 
         t_analysis = time.perf_counter()
         try:
@@ -425,22 +502,13 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
             raise PlanError(_bug("the search", e, hint=True)) from e
     if hasattr(cost, "save"):
         cost.save()  # measured op times: the next optimize on this machine reuses them
-    safety = None
-    if _should_verify(verify, model, inputs, before.peak):
-        try:
-            safety = SafetyNet(model, inputs, loss_fn, mode, seed,
-                               low_precision=_low_precision(g),
-                               phased=any(n.target in PHASED_TARGETS for n in g.ops))
-        except Exception as e:  # noqa: BLE001
-            raise PlanError(f"eager PyTorch's own step failed on these inputs ({type(e).__name__}: "
-                            f"{e}); the plans cannot be checked against it: fix the model or "
-                            "pass verify=False") from e
     builder = _Builder(model, space, before, label, safety)
     front = pareto_add(list(log.pareto), before)
     res = OptimizeResult(mode, None, None, None, builder.plan_of(before), None,
                          [builder.plan_of(s) for s in front], False, "", label,
                          time.perf_counter() - t0, log.states, log.interrupted, builder)
     res.device, res.swap = _device_of(model, inputs), swap
+    res.eager_peak = eager_peak
     res.timings = {"capture": t_capture - t0, "analysis": t_analysis - t_capture,
                    "search": log.seconds}
     res.too_big = log.too_big

@@ -73,7 +73,9 @@ def measured_text(r: OptimizeResult) -> str | None:
 
 def budget_text(r: OptimizeResult) -> str:
     if r.budget_kind == "mem":
-        return f"memory ≤ {_mib(r.budget)} (x{r.budget_ratio:.2f} of the unoptimized peak)"
+        of = ("eager PyTorch's measured step" if r.eager_peak is not None
+              else "the captured program's simulated peak")
+        return f"memory ≤ {_mib(r.budget)} (x{r.budget_ratio:.2f} of {of})"
     if r.budget_kind == "lat":
         return f"latency ≤ {_ms(r.budget)} (x{r.budget_ratio:.2f} of the unoptimized step)"
     return "none: lowest peak within 10% of the unoptimized latency"
@@ -140,12 +142,18 @@ def summary_table(r: OptimizeResult) -> str:
     """Before/after as a Markdown table (prints well in a terminal too)."""
     lines = ["| plan | peak MiB | x peak | latency ms | x latency | applied |",
              "|---|---|---|---|---|---|"]
+    ref = r.reference_peak
+    if r.eager_peak is not None:
+        lines.append(f"| eager | {r.eager_peak / 2**20:.2f} | 1.000 | | | measured: "
+                     "PyTorch as you run it |")
     for row in r.summary():
         p = r.before if row["plan"] == "before" else r.plan
-        lines.append(f"| {row['plan']} | {row['peak_MiB']:.2f} | {p.peak / r.before.peak:.3f} "
+        lines.append(f"| {row['plan']} | {row['peak_MiB']:.2f} | {p.peak / ref:.3f} "
                      f"| {row['latency_ms']:.3f} | {p.latency / r.before.latency:.3f} "
                      f"| {row['applied']} |")
-    lines.append(f"\npeaks are simulated; {memory_kind(r)}")
+    of = "eager's measured step" if r.eager_peak is not None else "the captured program"
+    lines.append(f"\nplan peaks are simulated, x peak is of {of}; latencies are simulated, "
+                 f"x latency is of the captured program's; {memory_kind(r)}")
     measured = measured_text(r)
     if measured:
         lines.append(measured)

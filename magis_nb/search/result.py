@@ -109,7 +109,7 @@ class Progress:
     states: int             # states explored (scheduled and simulated)
     best_peak: int          # the best plan so far (under the budget's ordering)
     best_latency: float
-    before_peak: int
+    before_peak: int        # what memory ratios are of: eager's measured step (else the captured program)
     before_latency: float
     done: bool = False
 
@@ -122,7 +122,8 @@ class OptimizeResult:
     mode: str                       # "train" | "infer"
     budget_kind: str | None         # "mem" | "lat" | None (no budget: lowest peak within 10% latency)
     budget: float | None            # absolute: bytes for "mem", seconds for "lat"
-    budget_ratio: float | None      # the same budget as a ratio of the unoptimized plan
+    budget_ratio: float | None      # the same budget as a ratio: of `reference_peak`
+                                    # for "mem", of the unoptimized latency for "lat"
     before: Plan                    # the program as captured, in PyTorch's order
     plan: Plan                      # the chosen plan
     pareto: list[Plan]              # non-dominated plans seen, by increasing peak
@@ -150,6 +151,13 @@ class OptimizeResult:
     refined: list = field(default_factory=list)
     device: str = "cpu"             # where the inputs live: "cpu" | "cuda" | "meta"
     swap: bool = False              # plans could swap (Note [which memory] in `search.report`)
+    # eager PyTorch's step as the user runs it (their own checkpointing included),
+    # measured by the safety net; None where it did not run (Note [the budget's
+    # baseline] in search/optimize.py)
+    eager_peak: int | None = None
+    # plans that passed the check but measured above `eager_peak`: (plan, measured
+    # peak), taken off the front (Note [the budget's baseline])
+    over_eager: list = field(default_factory=list)
 
     # -- picking another plan -------------------------------------------------------
     def select(self, mem_budget: float | int | None = None,
@@ -241,7 +249,7 @@ class OptimizeResult:
         self.plan, self.met = plan, ok is not None
         self.budget_kind, self.budget_ratio, self.budget = "lat", lat_budget, lat_budget * base
         what = f"measured latency budget x{lat_budget:.2f}"
-        detail = (f"peak {plan.peak / 2**20:.2f} MiB ({plan.peak / self.before.peak:.2f}x), "
+        detail = (f"peak {plan.peak / 2**20:.2f} MiB ({plan.peak / self.reference_peak:.2f}x), "
                   f"measured x{ratio:.3f} (simulated x{plan.latency / base:.3f}), "
                   f"{len(self.fits)} plan(s) measured")
         self.message = (f"{what} met: {detail}" if self.met
@@ -294,8 +302,16 @@ class OptimizeResult:
         return self.builder.timeline(plan or self.plan)
 
     @property
+    def reference_peak(self) -> int:
+        """What memory budgets and ratios are of: eager's measured step where it
+        ran, else the captured program's simulated peak (Note [the budget's
+        baseline] in search/optimize.py)."""
+        return self.eager_peak if self.eager_peak is not None else self.before.peak
+
+    @property
     def mem_ratio(self) -> float:
-        return self.plan.peak / self.before.peak
+        """The chosen plan's peak over `reference_peak` (eager's measured step)."""
+        return self.plan.peak / self.reference_peak
 
     @property
     def lat_ratio(self) -> float:
