@@ -17,7 +17,7 @@ from magis_nb.runtime.copies import SYNC, copies_for
 from magis_nb.simulate.memory import simulate_memory
 from magis_nb.verify import Reference
 
-from test_remat import LateUse, _ids
+from test_remat import LateUse, late_use_ids
 
 
 class LateCopies:
@@ -102,7 +102,7 @@ def test_cpu_uses_synchronous_copies():
 def test_store_follows_its_producer_and_ready_precedes_the_first_reader():
     x = torch.randn(1024)
     prog = trace(LateUse(), (x,), mode="infer")
-    a, late = _ids(prog)
+    a, late = late_use_ids(prog)
     g = swap(prog.graph, Ref(a, 0), [late])
     mod = OptimizedModule(prog.model, prog.captured, g, _prefetch_order(g))
     lines = [ln.strip() for ln in mod.code.splitlines()]
@@ -141,7 +141,7 @@ def test_swapped_tensors_count_as_host_memory_on_the_cpu():
     tracker does not count them, as the simulator puts them in 'host'."""
     x = torch.randn(2**18)
     prog = trace(LateUse(), (x,), mode="infer")
-    a, late = _ids(prog)
+    a, late = late_use_ids(prog)
     sw = prog.with_graph(swap(prog.graph, Ref(a, 0), [late]))
     mod = sw.module()
     m = measure_cpu(lambda: mod(x), [x])
@@ -167,7 +167,7 @@ def test_timed_sync_copies_time_every_cpu_copy_and_reset():
 def test_a_cpu_module_with_timed_copies_reports_its_transfers():
     x = torch.randn(2**16)
     prog = trace(LateUse(), (x,), mode="infer")
-    a, late = _ids(prog)
+    a, late = late_use_ids(prog)
     mod = prog.with_graph(swap(prog.graph, Ref(a, 0), [late])).module()
     with pytest.raises(RuntimeError, match="timed_copies"):
         mod.transfer_stats()

@@ -275,7 +275,7 @@ def small_program():
 
 def test_measured_cost_and_its_disk_cache(small_program, tmp_path, monkeypatch):
     g = small_program.graph
-    monkeypatch.setattr(MeasuredCost, "_busy", lambda self: False)    # an idle machine
+    monkeypatch.setattr(MeasuredCost, "busy", lambda self: False)    # an idle machine
     before = torch.random.get_rng_state()
     mc = MeasuredCost("cpu", cache_dir=tmp_path, reps=2)
     costs = op_costs(g, mc)
@@ -289,7 +289,7 @@ def test_measured_cost_and_its_disk_cache(small_program, tmp_path, monkeypatch):
     assert on_disk == mc.table
 
     calls = []
-    monkeypatch.setattr(MeasuredCost, "_time_op", lambda self, *a: calls.append(a) or 1.0)
+    monkeypatch.setattr(MeasuredCost, "time_op", lambda self, *a: calls.append(a) or 1.0)
     monkeypatch.setenv("MAGIS_NB_CACHE_DIR", str(tmp_path))
     again = MeasuredCost("cpu")
     assert again.path == mc.path
@@ -312,7 +312,7 @@ def test_timings_on_a_busy_cpu_are_not_saved(small_program, tmp_path, monkeypatc
                    1e-4, 1e-4,      # .. after; second op: before
                    9e-4,            # .. after: busy
                    1e-4, 1e-4])     # third op: idle again
-    monkeypatch.setattr(MeasuredCost, "_canary", lambda self: next(canary))
+    monkeypatch.setattr(MeasuredCost, "canary", lambda self: next(canary))
     reps = iter([3e-3, 1e-3, 2e-3] * 3)
     monkeypatch.setattr(measured, "call_seconds", lambda *a, **k: next(reps))
     mc = MeasuredCost("cpu", cache_dir=tmp_path, reps=3)
@@ -325,8 +325,8 @@ def test_timings_on_a_busy_cpu_are_not_saved(small_program, tmp_path, monkeypatc
     mc.save()
     data = json.loads(mc.path.read_text())
     assert set(data["ops"]) == {keys[0], keys[2]} and data["canary"] == 1e-4
-    monkeypatch.setattr(MeasuredCost, "_busy", lambda self: False)
-    monkeypatch.setattr(MeasuredCost, "_time_op", lambda self, *a: 5e-4)
+    monkeypatch.setattr(MeasuredCost, "busy", lambda self: False)
+    monkeypatch.setattr(MeasuredCost, "time_op", lambda self, *a: 5e-4)
     again = MeasuredCost("cpu", cache_dir=tmp_path)
     assert again.canary_best == 1e-4
     assert [again.op_cost(g, n) for n in ops] == [1e-3, 5e-4, 1e-3]   # only the busy one again
@@ -341,18 +341,18 @@ def test_new_timings_are_written_at_most_every_few_seconds(small_program, tmp_pa
 
     g = small_program.graph
     ops = [n for n in g.ops if isinstance(n.op, torch._ops.OpOverload)][:3]
-    monkeypatch.setattr(MeasuredCost, "_busy", lambda self: False)
-    monkeypatch.setattr(MeasuredCost, "_time_op", lambda self, *a: 2e-3)
+    monkeypatch.setattr(MeasuredCost, "busy", lambda self: False)
+    monkeypatch.setattr(MeasuredCost, "time_op", lambda self, *a: 2e-3)
     mc = MeasuredCost("cpu", cache_dir=tmp_path)
     for n in ops:
         mc.op_cost(g, n)
     assert len(json.loads(mc.path.read_text())["ops"]) == 1
-    measured._save_at_exit()
+    measured.save_at_exit()
     assert len(json.loads(mc.path.read_text())["ops"]) == len(mc.table) == 3
     monkeypatch.setattr(measured, "SAVE_EVERY", 0.0)
     mc.table.clear()
     mc.op_cost(g, ops[0])               # due: written at once
-    assert mc not in measured._DIRTY
+    assert mc not in measured.DIRTY
 
 
 def test_measured_cost_falls_back_when_an_op_cannot_run(tmp_path):

@@ -44,7 +44,7 @@ def _fill(obj, tensors, it):
     return obj
 
 
-def _call(node: Node, tensors, args=None, kwargs=None):
+def dims_call(node: Node, tensors, args=None, kwargs=None):
     args = node.args if args is None else args
     kwargs = node.kwargs if kwargs is None else kwargs
     a, kw = _fill((tuple(args), dict(kwargs)), tensors, iter(range(len(tensors))))
@@ -123,7 +123,7 @@ def check_axis(node: Node, tensors, full, od, a: int, n: int) -> None:
         a_k = tuple(x.make(ins[x.q], k) if isinstance(x, CausalPart) else x for x in args)
         kw_k = {nm: x.make(ins[x.q], k) if isinstance(x, CausalPart) else x
                 for nm, x in kwargs.items()}
-        got = list(_call(node, ins, a_k, kw_k))
+        got = list(dims_call(node, ins, a_k, kw_k))
         for i in (cp.prefix_outs if cp is not None else ()):    # gradients of those keys
             full_i = torch.zeros(node.outputs[i].shape, dtype=got[i].dtype)
             full_i.narrow(2, 0, got[i].shape[2]).copy_(got[i])
@@ -151,7 +151,7 @@ def check_node(node: Node, tensors) -> int:
     od = op_dims(node, ins, outs)
     if od is None:
         return 0
-    full = _call(node, tensors)
+    full = dims_call(node, tensors)
     count = 0
     for a, axis in enumerate(od.axes):
         for n in split_counts(axis.size):
@@ -197,7 +197,7 @@ def check_program(case, mode: str) -> tuple[set, set]:
                     per_target[n.target] = per_target.get(n.target, 0) + 1
                     if per_target[n.target] <= MAX_SIGNATURES:
                         check_node(n, tensors)
-            out = _call(n, tensors)
+            out = dims_call(n, tensors)
             for i, t in enumerate(out):
                 if i < len(n.outputs) and n.outputs[i] is not None:
                     vals[Ref(nid, i)] = t

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from test_dims import _call, check_axis, dims_of, make, summary
+from test_dims import dims_call, check_axis, dims_of, make, summary
 
 import magis_nb
 from magis_nb.analysis import DGraph, apply_fission, check
@@ -41,7 +41,7 @@ def _t(*shape, layout="bhle"):
 def _run_parts(node, ts, ns=(2, 4)) -> dict[str, list[int]]:
     """Every axis of the rule, in n parts for each n that divides it: {name: [n...]}."""
     od = dims_of(node, ts)
-    full = _call(node, ts)
+    full = dims_call(node, ts)
     done = {}
     for a, axis in enumerate(od.axes):
         for n in ns:
@@ -112,12 +112,12 @@ def test_causal_query_split_needs_the_part_mask():
     assert [a.name for a in od.axes] == ["batch", "heads", "query"]
     wrong = OpDims([Axis(8, ((0, 2),), ((0, 2), (1, 2)), None, "query")])
     with pytest.raises(AssertionError):
-        check_axis(node, ts, _call(node, ts), wrong, 0, 2)
+        check_axis(node, ts, dims_call(node, ts), wrong, 0, 2)
     for n in (2, 4, 8):
-        check_axis(node, ts, _call(node, ts), od, 2, n)
+        check_axis(node, ts, dims_call(node, ts), od, 2, n)
     q = _t(2, 2, 4, 4)      # 4 queries over 8 keys: top-left aligned, as the kernel does
     node, ts = make(FWD, q, k, v, 0.0, True)
-    check_axis(node, ts, _call(node, ts), dims_of(node, ts), 2, 2)
+    check_axis(node, ts, dims_call(node, ts), dims_of(node, ts), 2, 2)
 
 
 def test_causal_mask_op():

@@ -312,7 +312,7 @@ def test_convexity_and_region_outputs_match_a_walk_of_the_whole_graph():
     walk over every node says, on the regions F-Tree builds and on arbitrary ones."""
     from magis_nb import zoo
     from magis_nb.analysis.ftrans import region_outputs, reentered
-    from magis_nb.analysis.ftree import _dominated
+    from magis_nb.analysis.ftree import dominated_sets
     from magis_nb.ir import iter_refs
 
     def reentered_slow(g, ops):
@@ -338,7 +338,7 @@ def test_convexity_and_region_outputs_match_a_walk_of_the_whole_graph():
     ops = [n.id for n in g.ops]
     rng = random.Random(0)
     regions = [set(d) for comp in dg.components[:3]
-               for d in _dominated(g, list(comp.ops)).values()]
+               for d in dominated_sets(g, list(comp.ops)).values()]
     for _ in range(60):                 # windows of program order and random scatters
         i = rng.randrange(len(ops))
         regions.append(set(ops[i:i + rng.randrange(1, 40)]))
@@ -392,7 +392,7 @@ def test_a_tied_weight_sums_both_gradients_into_one_result(monkeypatch):
     g = prog.graph
     dg = DGraph(g)
     f = max(build_ftree(dg, prog.hotspots()), key=lambda c: c.score).ftrans(4)
-    shared = ap._shared_sums(g, f, plan_outputs(dg, f), {})
+    shared = ap.shared_sums(g, f, plan_outputs(dg, f), {})
     assert len(shared) == 1
     (add, (r1, r2)), = shared.items()
     assert {g.nodes[r1.node].target, g.nodes[r2.node].target} == \
@@ -407,7 +407,7 @@ def test_a_tied_weight_sums_both_gradients_into_one_result(monkeypatch):
     assert chk.comparison.allclose, chk.comparison.mismatches
     assert chk.measured_peak == split.simulate().peak
     # the same split with two results: exactly one [vocab, d] buffer more
-    monkeypatch.setattr(ap, "_shared_sums", lambda *a: {})
+    monkeypatch.setattr(ap, "shared_sums", lambda *a: {})
     two = prog.with_graph(apply_fission(dg, [f]))
     assert two.simulate().peak - split.simulate().peak == g.tensor(r2).nbytes
 

@@ -69,7 +69,7 @@ def test_async_swaps_on_a_copy_stream_match_eager_and_the_simulated_peak():
     mod = OptimizedModule(case.model, prog.captured, g, order)
     assert all(p.is_pinned() for p in mod.host_buffers)
     peak, got = _step_peak(mod, case)
-    assert isinstance(mod._io(case.inputs[0].device), CudaCopies)
+    assert isinstance(mod.copies_on(case.inputs[0].device), CudaCopies)
     torch.manual_seed(0)
     want = eager_step(ref, case.inputs, case.loss_fn)
     cmp = compare_models(ref, case.model, want, got, rtol=1e-4, atol=1e-5)

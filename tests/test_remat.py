@@ -20,7 +20,7 @@ class LateUse(nn.Module):
         return t3 + a
 
 
-def _ids(prog):
+def late_use_ids(prog):
     mul = [n.id for n in prog.graph.ops if n.target == "aten.mul.Tensor"][0]
     late = [n.id for n in prog.graph.ops if n.target == "aten.add.Tensor"][-1]
     return mul, late
@@ -32,7 +32,7 @@ def test_remat_lowers_the_peak_exactly():
     x = torch.randn(MiB // 4)
     prog = trace(LateUse(), (x,), mode="infer")
     assert prog.simulate().peak == 5 * MiB
-    a, late = _ids(prog)
+    a, late = late_use_ids(prog)
     re = prog.with_graph(rematerialize(prog.graph, a, [late]))
     assert re.simulate().peak == 4 * MiB
     mod = re.module()
@@ -44,7 +44,7 @@ def test_remat_lowers_the_peak_exactly():
 
 def test_merge_restores_the_digest():
     prog = trace(LateUse(), (torch.randn(64),), mode="infer")
-    a, late = _ids(prog)
+    a, late = late_use_ids(prog)
     g2 = rematerialize(prog.graph, a, [late])
     assert graph_digest(g2) != graph_digest(prog.graph)
     copy = [n.id for n in g2.ops if n.name.endswith("_re")][0]

@@ -1,15 +1,12 @@
 """The safety net: optimize() never returns a plan that raises or differs from eager."""
-import importlib
-
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import magis_nb
+from magis_nb.runtime import OptimizedModule
 from magis_nb.search.safety import PlanError
-
-opt_mod = importlib.import_module("magis_nb.search.optimize")   # the package exports the function
 
 
 def _mlp():
@@ -19,36 +16,34 @@ def _mlp():
     return m, (torch.randn(64, 32), torch.randint(0, 10, (64,)))
 
 
-class _Broken(nn.Module):
-    """A plan's module that is wrong in one of two ways."""
+def _break(monkeypatch, how: str, keep: str | None = None) -> None:
+    """Every plan's step is wrong in one of two ways (raises, or gradients x1.5),
+    except the program whose code is ``keep``."""
+    step = OptimizedModule.step
 
-    def __init__(self, inner, how):
-        super().__init__()
-        self.inner, self.how, self.code = inner, how, inner.code
-
-    def forward(self, *a, **k):
-        loss = self.inner(*a, **k)
-        if self.how == "raise":
+    def broken(self, *a, **k):
+        if self.code == keep:
+            return step(self, *a, **k)
+        if how == "raise":
             raise RuntimeError("view size is not compatible with input tensor's size and stride")
-        for p in self.inner.model.parameters():
+        loss = step(self, *a, **k)
+        for p in self.model.parameters():
             p.grad.mul_(1.5)
         return loss
+
+    monkeypatch.setattr(OptimizedModule, "step", broken)
 
 
 @pytest.mark.parametrize("how", ["raise", "differ"])
 def test_failing_plans_are_dropped_and_reported(monkeypatch, how):
     m, inputs = _mlp()
     before = {k: v.clone() for k, v in m.state_dict().items()}
-    build = opt_mod._Builder.module
-
-    def module(self, plan):            # every optimized plan is broken; the captured program is not
-        mod = build(self, plan)
-        return mod if plan.state is self.before else _Broken(mod, how)
-
-    monkeypatch.setattr(opt_mod._Builder, "module", module)
+    kw = dict(loss_fn=F.cross_entropy, mem_budget=0.5, time_budget=5, max_states=30)
+    first = magis_nb.optimize(m, inputs, verify=False, **kw)
+    # every optimized plan is broken; the captured program is not
+    _break(monkeypatch, how, keep=first.module_for(first.before).code)
     rng = torch.get_rng_state()
-    res = magis_nb.optimize(m, inputs, loss_fn=F.cross_entropy, mem_budget=0.5,
-                            time_budget=5, max_states=30)
+    res = magis_nb.optimize(m, inputs, **kw)
     assert torch.equal(rng, torch.get_rng_state()), "the user's RNG stream is untouched"
     assert res.failed and res.verified
     assert res.plan.state is res.before.state or res.plan.applied == "re-order only"
@@ -62,9 +57,7 @@ def test_failing_plans_are_dropped_and_reported(monkeypatch, how):
 
 def test_unoptimized_program_failing_is_a_plan_error(monkeypatch):
     m, inputs = _mlp()
-    build = opt_mod._Builder.module
-    monkeypatch.setattr(opt_mod._Builder, "module",
-                        lambda self, plan: _Broken(build(self, plan), "differ"))
+    _break(monkeypatch, "differ")
     with pytest.raises(PlanError, match="even the captured program"):
         magis_nb.optimize(m, inputs, loss_fn=F.cross_entropy, time_budget=3, max_states=10)
 

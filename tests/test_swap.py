@@ -7,7 +7,7 @@ from magis_nb.rules import swap, unswap
 from magis_nb.rules.swap import pool_inputs
 from magis_nb.runtime import measure_cpu
 
-from test_remat import LateUse, _ids
+from test_remat import LateUse, late_use_ids
 
 MiB = 2**20
 
@@ -17,7 +17,7 @@ def test_swap_lowers_the_device_peak_exactly():
     before the last add: 5 MiB -> 4 MiB; its 1 MiB host copy is not device memory."""
     x = torch.randn(MiB // 4)
     prog = trace(LateUse(), (x,), mode="infer")
-    a, late = _ids(prog)
+    a, late = late_use_ids(prog)
     sw = prog.with_graph(swap(prog.graph, Ref(a, 0), [late]))
     assert sw.simulate().peak == 4 * MiB
     mod = sw.module()
@@ -34,7 +34,7 @@ def test_swap_lowers_the_device_peak_exactly():
 
 def test_unswap_restores_the_digest():
     prog = trace(LateUse(), (torch.randn(64),), mode="infer")
-    a, late = _ids(prog)
+    a, late = late_use_ids(prog)
     g2 = swap(prog.graph, Ref(a, 0), [late])
     load = [n.id for n in g2.ops if n.target == "aten._to_copy.default"][0]
     assert graph_digest(unswap(g2, load)) == graph_digest(prog.graph)

@@ -61,7 +61,7 @@ def apply_fission(dg: DGraph, regions: Iterable[FTrans]) -> Graph:
     joined: dict[Ref, Ref] = {}           # region output -> proto ref of the full result
     plans = [None if f.tiles else plan_outputs(dg, f) for f in regions]
     _drop_recomputed_outputs(g, regions, plans, owner)
-    shared = [{} if f.tiles else _shared_sums(g, f, plans[i], owner) for i, f in enumerate(regions)]
+    shared = [{} if f.tiles else shared_sums(g, f, plans[i], owner) for i, f in enumerate(regions)]
     packs: list[tuple[int, int]] = []     # (a packed mask's allocation, its pack op's proto id)
     dead = _recomputed_only(g, regions, owner)
     # Region outputs get their proto ids first so that later consumers can point to them.
@@ -208,7 +208,7 @@ def _fused_matmuls(g: Graph, f: FTrans, plan) -> set[Ref]:
     return out
 
 
-def _shared_sums(g: Graph, f: FTrans, plan, owner: dict[int, int]) -> dict[int, tuple[Ref, Ref]]:
+def shared_sums(g: Graph, f: FTrans, plan, owner: dict[int, int]) -> dict[int, tuple[Ref, Ref]]:
     """Note [one sum for a tied weight]: the ``add`` ops outside every region
     whose two operands are sums of region ``f``, both laid out alike and read by
     nothing but that add and views. -> {add node id: (first sum, second sum)}."""
@@ -263,7 +263,7 @@ def _expand_region(b: ProtoBuilder, dg: DGraph, f: FTrans, rid: int, plan, joine
     """Add region ``f``'s parts to ``b``: full-size results first, then each part
     (its ops on part-sized tensors, its outputs merged into the results), then one
     node per output that stands for the full result (into ``joined``).
-    ``shared``: pairs of sums that add into one full result (`_shared_sums`)."""
+    ``shared``: pairs of sums that add into one full result (`shared_sums`)."""
     x = _Expansion(b, dg, f, rid, plan)
     for r1, r2 in (shared or {}).values():
         x.mates[r1], x.mates[r2] = r2, r1

@@ -68,7 +68,7 @@ class Candidate:
         return self.recompute | self.prologue
 
 
-def _dominated(g: Graph, nodes: list[int]) -> dict[int, set[int]]:
+def dominated_sets(g: Graph, nodes: list[int]) -> dict[int, set[int]]:
     """Strict dominator-tree descendants of each node in G[nodes] (virtual root)."""
     sub = rx.PyDiGraph()
     idx = {v: sub.add_node(v) for v in nodes}
@@ -331,7 +331,7 @@ def build_ftree(dg: DGraph, hotspots: dict[Ref, int], *, levels: int = 4, n: int
         if not nodes:
             continue
         agree = lambda ops, _c=comp.id: _agreeing(dg, _c, ops)
-        dom = {v: _region(g, d, hot_by_op, agree) for v, d in _dominated(g, nodes).items()}
+        dom = {v: _region(g, d, hot_by_op, agree) for v, d in dominated_sets(g, nodes).items()}
 
         def scored(region):
             """(score, heat) of a region: eq. 4's gain minus its inputs that are

@@ -138,7 +138,9 @@ class OptimizedModule(nn.Module):
         # opaque custom ops, for torch.compile: bench/peers_compile.py).
         self.copies = None
 
-    def _io(self, dev: torch.device):
+    def copies_on(self, dev: torch.device):
+        """The copies object this module's swaps run through on ``dev`` (the
+        generated program's ``_io``; `runtime.copies`): made on first use."""
         if self.copies is not None:
             return self.copies
         key = (dev, self.timed_copies)
@@ -212,7 +214,7 @@ class OptimizedModule(nn.Module):
         with torch.no_grad(), amp:
             if self._swaps:
                 self._last_dev = dev
-                kw["_io"] = self._io(dev)
+                kw["_io"] = self.copies_on(dev)
             if self._bucketed:
                 kw["_comm"] = self.comm
             outs = self.step_fn(dev, *args, **kw)

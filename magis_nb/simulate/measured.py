@@ -40,12 +40,12 @@ from .cost import CostModel, RooflineCost, dtype_name, node_of
 from .profiles import get_profile
 
 SAVE_EVERY = 5.0      # seconds between writes of new timings from `op_cost`
-_DIRTY: "weakref.WeakSet[MeasuredCost]" = weakref.WeakSet()
+DIRTY: "weakref.WeakSet[MeasuredCost]" = weakref.WeakSet()
 
 
 @atexit.register
-def _save_at_exit() -> None:
-    for mc in list(_DIRTY):
+def save_at_exit() -> None:
+    for mc in list(DIRTY):
         try:
             mc.save()
         except OSError:
@@ -191,10 +191,10 @@ class MeasuredCost:
             json.dump(data, f, indent=0)
         os.replace(tmp, self.path)
         self._saved_at = time.perf_counter()
-        _DIRTY.discard(self)
+        DIRTY.discard(self)
 
     # -- a busy CPU ----------------------------------------------------------
-    def _canary(self) -> float:
+    def canary(self) -> float:
         """Seconds of the canary matmul (least of three)."""
         import torch
 
@@ -205,9 +205,9 @@ class MeasuredCost:
         a, b = self._canary_args
         return min(call_seconds(torch.mm, (a, b)) for _ in range(3))
 
-    def _busy(self) -> bool:
+    def busy(self) -> bool:
         """Whether the canary ran more than BUSY times its best (which it updates)."""
-        c = self._canary()
+        c = self.canary()
         best = self.canary_best
         self.canary_best = c if best is None else min(best, c)
         return best is not None and c > BUSY * best
@@ -290,7 +290,7 @@ class MeasuredCost:
 
         return sub(tuple(n.args)), sub(dict(n.kwargs))
 
-    def _time_op(self, graph: Graph, n: Node) -> float | None:
+    def time_op(self, graph: Graph, n: Node) -> float | None:
         """Least seconds of ``reps`` runs after one warm-up; None if it cannot run
         (Note [timings taken on a busy CPU])."""
         import torch
@@ -316,9 +316,9 @@ class MeasuredCost:
 
     def _timed(self, key: str, graph: Graph, n: Node) -> float | None:
         """``n`` timed into the table; on a CPU found busy, not to be saved."""
-        busy = not self.cuda and self._busy()
-        t = self._time_op(graph, n)
-        if not self.cuda and (self._busy() or busy):
+        busy = not self.cuda and self.busy()
+        t = self.time_op(graph, n)
+        if not self.cuda and (self.busy() or busy):
             self.unsaved.add(key)
         self.table[key] = t
         return t
@@ -344,7 +344,7 @@ class MeasuredCost:
         key = self.signature(graph, n)
         if key not in self.table:
             self._timed(key, graph, n)
-            _DIRTY.add(self)
+            DIRTY.add(self)
             if time.perf_counter() - self._saved_at >= SAVE_EVERY:
                 self.save()
         t = self.table[key]
