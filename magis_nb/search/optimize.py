@@ -219,10 +219,10 @@ class _Builder:
     def over_eager(self, res: OptimizeResult, plan: Plan) -> int | None:
         """``plan``'s measured peak when it is above eager's step, else None (not
         measured, or at most eager's: Note [the budget's baseline])."""
-        got = self.safety.measured.get(id(plan.state)) if self.safety is not None else None
-        if got is None or res.eager_peak is None or got[0] <= res.eager_peak:
+        m = self.measured(plan)
+        if m is None or m.peak <= m.eager_peak:
             return None
-        return got[0]
+        return m.peak
 
     def _lowest_over(self, res: OptimizeResult) -> Plan:
         """No plan measured at or below eager's step: the lowest measured, back on
