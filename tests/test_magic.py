@@ -98,7 +98,7 @@ def test_result_bound_and_trains_like_eager(done):
     model.zero_grad()
     assert "def " in result.code and result.code == opt.code
     html = result_html(result)     # what the notebook displays (its _repr_html_)
-    for part in ("budget", "peak memory", "step latency", "fission", "re-materialized",
+    for part in ("budget", "peak memory", "step time", "simulated latency", "fission", "re-materialized",
                  "swapped to host", "search", "MiB", " ms"):
         assert part in html
     # terminal report: table, bound names, both figures as text, a tqdm bar on stderr
@@ -274,7 +274,9 @@ def test_measured_latency_budget_times_plans_and_leaves_the_model_as_it_was(ip):
     assert chosen and r.met == (chosen[0] <= 3)
     assert r.met or chosen[0] == min(ratio for _, ratio in r.fits)
     assert r.message.startswith("measured latency budget x3.00 " + ("met" if r.met else "NOT met"))
-    assert "timing plans against eager PyTorch" in out.stdout
+    # the report says which time is measured: the chosen plan's, against eager's
+    assert f"step measured x{r.time_ratio:.2f} of eager's" in out.stdout
+    assert "measured x time" in out.stdout and "sim. latency ms" in out.stdout
     # timing ran training steps: the user's model is back as the cell left it
     after = ns["model"].state_dict()
     assert all(torch.equal(after[k], v) for k, v in ns["before"].items())
@@ -282,7 +284,7 @@ def test_measured_latency_budget_times_plans_and_leaves_the_model_as_it_was(ip):
 
 
 def test_measured_flag_errors(ip):
-    _untouched(ip, "--measured --mem 0.5", "a = 1", "not --mem")
+    _untouched(ip, "--measured --simulated", "a = 1", "not both")
     _untouched(ip, "--measured --profile rtx3090", "a = 1", "leave out --profile rtx3090")
     # no plan can run at a hundredth of eager's time: nothing is bound
     _, msg = _untouched(ip, "--measured --lat 0.01", MODEL, "could not meet the latency budget x0.01")

@@ -33,9 +33,16 @@ class MagisFlags:
     quiet: bool = False
     plot: bool = True
     algebra: bool = True
-    measured: bool = False             # the latency budget holds for measured wall time
+    measured: bool = False             # plans must be timed here (an error where they cannot)
+    simulated: bool = False            # no plan is timed: the choice on simulated latency
     swap: bool | None = None           # None: optimize's default (swaps only for a GPU)
     ddp: bool = False                  # data parallel on torch.distributed's default group
+
+    @property
+    def measure_time(self) -> bool | None:
+        """optimize()'s ``measure_time``: True (--measured), False (--simulated), or
+        None (wherever the step runs here)."""
+        return True if self.measured else False if self.simulated else None
 
 
 def parse_mem(text: str | None) -> float | int | None:
@@ -126,13 +133,11 @@ def from_args(args) -> MagisFlags:
         if args.mode != "train" or args.measured:
             raise UsageError("--ddp plans a training step (not --mode infer) and its budget "
                              "is the plan's own (not --measured)")
-    if args.measured:
-        if args.mem is not None:
-            raise UsageError("--measured times plans against a latency budget: use it with "
-                             "--lat (or no budget, for x1.1), not --mem")
-        if profile is not None and not profile.startswith("measured"):
-            raise UsageError(f"--measured times plans on this machine: leave out --profile "
-                             f"{profile} (a roofline plans for another device)")
+    if args.measured and args.simulated:
+        raise UsageError("give --measured or --simulated, not both")
+    if args.measured and profile is not None and not profile.startswith("measured"):
+        raise UsageError(f"--measured times plans on this machine: leave out --profile "
+                         f"{profile} (a roofline plans for another device)")
     return MagisFlags(
         model=check_identifier("--model", args.model),
         inputs=parse_names("--inputs", args.inputs),
@@ -147,6 +152,7 @@ def from_args(args) -> MagisFlags:
         plot=not args.no_plot,
         algebra=not args.no_algebra,
         measured=args.measured,
+        simulated=args.simulated,
         swap=True if args.swap else False if args.no_swap else None,
         ddp=args.ddp,
     )

@@ -52,8 +52,12 @@ class MagisMagics(Magics):
               help="data parallel: every rank runs the cell with its shard; gradient buckets "
               "are all_reduced from inside the plan (torch.distributed initialized first)")
     @argument("--measured", action="store_true",
-              help="the latency budget (--lat, default 1.1) holds for wall time measured "
-              "against eager PyTorch here: plans of the Pareto front are timed (at most 6)")
+              help="require plans timed against eager PyTorch here (the default wherever "
+              "the step runs on this machine): an error where they cannot be, as with a "
+              "GPU --profile")
+    @argument("--simulated", action="store_true",
+              help="choose on simulated latency alone: no plan is timed (faster; the "
+              "latency shown is the cost model's)")
     @cell_magic
     def magis(self, line, cell):
         """Run the cell, then optimize the model it defined for memory (MAGIS).
@@ -88,7 +92,8 @@ class MagisMagics(Magics):
                               mem_budget=args.mem, lat_budget=args.lat, time_budget=args.time,
                               device_profile=args.profile, progress=progress,
                               algebra=args.algebra, swap=args.swap,
-                              process_group=True if args.ddp else None)
+                              process_group=True if args.ddp else None,
+                              measure_time=args.measure_time)
         except CaptureError as e:
             if progress is not None:
                 progress.close(failed="capture failed")
@@ -100,17 +105,9 @@ class MagisMagics(Magics):
             raise
         if progress is not None:
             progress.close()
-        if args.measured and not result.interrupted:
-            from ..search.optimize import DEFAULT_LAT
-            from .walltime import plan_timer
-            if not args.quiet:
-                print("timing plans against eager PyTorch (--measured) ...", flush=True)
-            measure = plan_timer(found.model, found.inputs, found.loss_fn, args.mode)
-            result.fit_measured(measure, args.lat if args.lat is not None else DEFAULT_LAT)
-            if not result.met:
-                raise UsageError(measured_infeasible_message(result))
         if not result.met and not result.interrupted and result.budget_kind is not None:
-            raise UsageError(infeasible_message(result))
+            raise UsageError(measured_infeasible_message(result) if result.fits
+                             else infeasible_message(result))
         session = Session(ns, name, found.model_name, result)
         session.bind()
         self.sessions[name] = session

@@ -75,5 +75,5 @@ def measured_infeasible_message(r: OptimizeResult) -> str:
     fastest = min(ratio for _, ratio in r.fits)
     return (f"%%magis --measured could not meet the latency budget x{r.budget_ratio:.2f} "
             f"in wall time: the fastest of the {len(r.fits)} plan(s) timed ran at "
-            f"x{fastest:.3f} of eager PyTorch's step. Raise --lat, or drop --measured to "
+            f"x{fastest:.3f} of eager PyTorch's step. Raise --lat, or pass --simulated to "
             "bound the simulated latency. Nothing was bound.")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from html import escape
 
+from ..search.measured_choice import SLOW
 from .session import Session
 
 MiB = 2**20
@@ -18,8 +19,13 @@ MiB = 2**20
 def _status(s: Session) -> str:
     r, p = s.result, s.result.plan
     met = "" if r.met else " <b style='color:#c44e52'>(budget not met: lowest plan shown)</b>"
+    t = r.measured_time
+    time = (f"step measured <b>x{t.ratio:.3f}</b> of eager's, simulated x{r.lat_ratio:.3f}"
+            if t is not None else f"latency x{r.lat_ratio:.3f} (simulated only)")
+    slow = (" <b style='color:#c44e52'>(slow: more than x1.5 of eager's step)</b>"
+            if t is not None and t.ratio > SLOW else "")
     return (f"budget x{r.budget_ratio:.2f} → peak <b>{p.peak / MiB:.2f} MiB</b> "
-            f"(x{r.mem_ratio:.3f}), latency {p.latency * 1e3:.3f} ms (x{r.lat_ratio:.3f}), "
+            f"(x{r.mem_ratio:.3f}), {time}{slow}, "
             f"{escape(p.applied)}{met}; bound to <code>{escape(s.name)}</code>")
 
 

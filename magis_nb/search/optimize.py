@@ -20,13 +20,16 @@ from ..simulate.memory import simulate_memory
 from ..simulate.profiles import profile_names
 from .algorithm import search
 from .objective import Objective, pareto_add
+from .report import peak_ratios
 from .result import MeasuredMemory, OptimizeResult, Plan, Progress, Region, Timeline
 from .safety import PlanError, SafetyNet
 from .data_parallel import agree, choose_cap, data_parallel
 from .gcpause import paused_gc
+from .measured_choice import choose_measured
 from .proposals import split_first
 from .space import Space, State
 from .transfers import swap_ops
+from .walltime import StepTimer
 
 DEFAULT_LAT = 1.10        # no budget given: the lowest peak within 10% latency
 NEAR = 1.05               # an unmet memory budget: the fastest plan within 5% of the lowest peak
@@ -178,11 +181,34 @@ class _Builder:
         cats = {c: v for c, v in tl.by_category.items() if c != "host"}
         return Timeline(cats, host, tl.peak, tl.peak_steps[0] if tl.peak_steps else 0, regions)
 
-    def select(self, res: OptimizeResult, mem_budget=None, lat_budget=None) -> Plan:
+    def select(self, res: OptimizeResult, mem_budget=None, lat_budget=None,
+               measured: bool = True) -> Plan:
         """`choose` a plan for the budget; with a safety net, only one that passed
         its check against eager (Note in `search.safety`): a plan that fails is
         dropped from the front and recorded in ``res.failed``, and the choice is
-        made again."""
+        made again. Where the result can time plans (``res.timer``) and
+        ``measured``, the choice is then made on measured time (Note [measured
+        at the front door] in `search.measured_choice`)."""
+        plan = self._select(res, mem_budget, lat_budget)
+        if measured and res.timer is not None:
+            plan = choose_measured(res, mem_budget, lat_budget, DEFAULT_LAT)
+        return plan
+
+    def admissible(self, res: OptimizeResult, plan: Plan) -> bool:
+        """``plan`` passes its check against eager and measures at or below
+        eager's peak; else it leaves the front (into ``res.failed`` or
+        ``res.over_eager``)."""
+        if self.rejects(res, plan):
+            return False
+        over = self.over_eager(res, plan)
+        if over is None:
+            return True
+        if all(p is not plan for p, _ in res.over_eager):
+            res.over_eager.append((plan, over))
+        res.pareto = [p for p in res.pareto if p is not plan]
+        return False
+
+    def _select(self, res: OptimizeResult, mem_budget=None, lat_budget=None) -> Plan:
         if self.live:
             raise RuntimeError("a data-parallel plan runs on every rank alike: choose the "
                                "budget in optimize(..., process_group=...) on every rank")
@@ -285,31 +311,26 @@ class _Builder:
         res.plan, res.met = plan, bool(ok)
         res.budget_kind = kind if (mem_budget is not None or lat_budget is not None) else None
         res.budget, res.budget_ratio = limit, ratio
-        mem = f"peak {plan.peak / MiB:.2f} MiB ({peak_ratios(res, plan.peak)})"
-        lat = f"latency x{plan.latency / before.latency:.3f}"
-        if kind == "mem":
-            what = f"memory budget {limit / MiB:.2f} MiB ({ratio:.2f}x)"
-            low = min(front, key=lambda p: (p.peak, p.latency))
-            lowest = (f"{what} NOT met: the lowest peak reached is {low.peak / MiB:.2f} MiB "
-                      f"({peak_ratios(res, low.peak)}) at x{low.latency / before.latency:.3f}")
-            res.message = (f"{what} met: {mem}, {lat}" if ok else lowest if plan is low
-                           else f"{lowest}; chosen within {NEAR - 1:.0%} of it, faster: {mem}, {lat}")
-        else:
-            what = f"latency budget x{ratio:.2f}"
-            res.message = (f"{what} met: {mem}, {lat}" if ok else
-                           f"{what} NOT met: the fastest plan found has {lat}, {mem}")
+        res.message = self.describe(res, plan, kind)
         return plan
 
-
-def peak_ratios(res: OptimizeResult, peak: int) -> str:
-    """``peak`` as a ratio of eager's measured step, and of the captured program
-    where the two differ by more than 1% (Note [the budget's baseline])."""
-    if res.eager_peak is None:
-        return f"{peak / res.before.peak:.2f}x of the captured program, simulated"
-    out = f"{peak / res.eager_peak:.2f}x of eager's step"
-    if abs(res.before.peak - res.eager_peak) > 0.01 * res.eager_peak:
-        out += f", {peak / res.before.peak:.2f}x of the captured program"
-    return out
+    def describe(self, res: OptimizeResult, plan: Plan, kind: str) -> str:
+        """The one line for ``plan`` chosen under ``res``'s budget of ``kind``
+        ("mem" or "lat"; ``res.met``, ``res.budget`` and ``res.budget_ratio`` set)."""
+        before, limit, ratio = res.before, res.budget, res.budget_ratio
+        mem = f"peak {plan.peak / MiB:.2f} MiB ({peak_ratios(res, plan.peak)})"
+        lat = f"latency x{plan.latency / before.latency:.3f} simulated"
+        if kind == "mem":
+            what = f"memory budget {limit / MiB:.2f} MiB ({ratio:.2f}x)"
+            low = min(res.pareto, key=lambda p: (p.peak, p.latency))
+            lowest = (f"{what} NOT met: the lowest peak reached is {low.peak / MiB:.2f} MiB "
+                      f"({peak_ratios(res, low.peak)}) at x{low.latency / before.latency:.3f} "
+                      "simulated")
+            return (f"{what} met: {mem}, {lat}" if res.met else lowest if plan is low
+                    else f"{lowest}; chosen within {NEAR - 1:.0%} of it, faster: {mem}, {lat}")
+        what = f"simulated latency budget x{ratio:.2f}"
+        return (f"{what} met: {mem}, {lat}" if res.met else
+                f"{what} NOT met: the fastest plan found has {lat}, {mem}")
 
 
 def _near_lowest(front: list[Plan]) -> Plan:
@@ -351,6 +372,23 @@ def _should_verify(verify: bool | None, model: nn.Module, inputs, peak: int) -> 
     return True
 
 
+def _timer(measure_time, model, inputs, loss_fn, mode, safety, label, dp) -> StepTimer | None:
+    """What times plans against eager's step here (Note [measured at the front
+    door]), or None: not asked, or the step does not run here as planned."""
+    if measure_time is False:
+        return None
+    why = ("verify=False or the meta device: eager's step was not run" if safety is None
+           else "the plan is for another device (a roofline profile)"
+           if not label.startswith("measured")
+           else "a data-parallel plan is timed on its group (bench ddp)" if dp is not None
+           else None)
+    if why is not None:
+        if measure_time:
+            raise ValueError(f"measure_time=True cannot time plans here: {why}")
+        return None
+    return StepTimer(model, inputs, loss_fn, mode, eager=safety.ref.ref)
+
+
 def _objective(mem_budget, lat_budget, before: State, reference: int) -> Objective:
     """What the search optimizes for the budget (no budget: ``DEFAULT_LAT``); a
     memory ratio is of ``reference`` (Note [the budget's baseline])."""
@@ -381,14 +419,17 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
              max_states: int | None = None, algebra: bool = True,
              fission: bool = True, swap: bool | None = None, tiles: bool | None = None,
              verify: bool | None = None, process_group=None, comm_link=None,
-             bucket_cap_mb: float | None = None) -> OptimizeResult:
+             bucket_cap_mb: float | None = None,
+             measure_time: bool | None = None) -> OptimizeResult:
     """Capture ``model``'s step on ``inputs`` and search for a plan within a budget.
 
     ``mem_budget``: a ratio (<= 16) of eager PyTorch's step as it runs today,
     measured (``res.eager_peak``; the captured program's simulated peak where
     eager's step is not run: Note [the budget's baseline]), or bytes: the fastest
-    plan under it; no plan measured above eager's step is returned as met. ``lat_budget``: a ratio of the unoptimized latency: the lowest
-    peak within it. Neither: ``lat_budget=1.10``. ``device_profile``: None times
+    plan under it; no plan measured above eager's step is returned as met.
+    ``lat_budget``: a ratio of eager's measured step where plans are timed
+    (``measure_time``), else of the captured program's simulated latency: the
+    lowest peak within it. Neither: ``lat_budget=1.10``. ``device_profile``: None times
     ops on the inputs' device ("measured"); a profile name ("rtx3090", "a100",
     "h100", "h200", "cpu") plans with the roofline model of that device.
     ``time_budget`` (seconds) bounds the search; ``max_states`` also bounds it
@@ -425,6 +466,14 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
     overlapping the rest of the backward; the search prices them on a third
     stream over ``comm_link`` (measured on the group when None; or "nvlink",
     "pcie", "ethernet") and counts the buckets' memory. Every rank then runs rank 0's plan (`search.data_parallel`).
+
+    ``measure_time`` (default: where the step is verified here and op times are
+    measured on this machine) times plans' steps against eager's in interleaved
+    pairs and makes the choice on measured time: a memory budget gets the
+    fastest measured of a few plans under it, and ``lat_budget`` (or the default
+    x1.10) becomes a ratio of eager's measured step (Note [measured at the front
+    door] in `search.measured_choice`). ``res.time_ratio`` is the chosen plan's
+    measured ratio; ``measure_time=False`` keeps the simulated choice.
 
     An infeasible budget is not an error: the result holds the best plan reached,
     ``met=False`` and a message saying so.
@@ -512,7 +561,9 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
     res.timings = {"capture": t_capture - t0, "analysis": t_analysis - t_capture,
                    "search": log.seconds}
     res.too_big = log.too_big
+    res.timer = _timer(measure_time, model, inputs, loss_fn, mode, safety, label, dp)
     builder.select(res, mem_budget, lat_budget)
+    res.seconds = time.perf_counter() - t0     # the timing of plans included
     if dp is not None:
         agree(res, space, builder)
     return res

@@ -5,6 +5,8 @@ from __future__ import annotations
 from html import escape
 from typing import TYPE_CHECKING
 
+from .measured_choice import SLOW
+
 if TYPE_CHECKING:
     from .result import OptimizeResult, Plan
 
@@ -57,6 +59,17 @@ def memory_kind(r: OptimizeResult) -> str:
             "are the same RAM here)")
 
 
+def peak_ratios(res: OptimizeResult, peak: int) -> str:
+    """``peak`` as a ratio of eager's measured step, and of the captured program
+    where the two differ by more than 1% (Note [the budget's baseline])."""
+    if res.eager_peak is None:
+        return f"{peak / res.before.peak:.2f}x of the captured program, simulated"
+    out = f"{peak / res.eager_peak:.2f}x of eager's step"
+    if abs(res.before.peak - res.eager_peak) > 0.01 * res.eager_peak:
+        out += f", {peak / res.before.peak:.2f}x of the captured program"
+    return out
+
+
 def measured_text(r: OptimizeResult) -> str | None:
     """The chosen plan's measured peak next to eager PyTorch's, in words, or None
     when the plan was not run (``verify=False``, or the meta device)."""
@@ -71,14 +84,35 @@ def measured_text(r: OptimizeResult) -> str | None:
             f"{_mib(m.eager_peak)}, plan {_mib(m.peak)} (x{m.peak / m.eager_peak:.3f}){host}")
 
 
+def time_text(r: OptimizeResult) -> str:
+    """The chosen plan's step time in words: measured against eager's where it
+    was timed, else why the latency shown is simulated only."""
+    t = r.measured_time
+    sim = f"simulated x{r.lat_ratio:.3f} of the captured program's"
+    if t is not None:
+        q1, q3 = t.quartiles
+        slow = (f" — SLOW: {t.ratio:.1f} times eager's step" if t.ratio > SLOW else "")
+        return (f"measured x{t.ratio:.3f} of eager PyTorch's step (quartiles {q1:.3f}-{q3:.3f}, "
+                f"{len(t.ratios)} interleaved pairs){slow}; {sim}")
+    if r.device == "meta" or r.eager_peak is None:
+        why = "the step was not run here (the meta device, or verify=False)"
+    elif r.timer is None and not r.profile.startswith("measured"):
+        why = f"planned for {r.profile}, not timed on this machine"
+    else:
+        why = "not timed (measure_time=False)"
+    return f"{sim}, simulated only: {why}"
+
+
 def budget_text(r: OptimizeResult) -> str:
     if r.budget_kind == "mem":
         of = ("eager PyTorch's measured step" if r.eager_peak is not None
               else "the captured program's simulated peak")
         return f"memory ≤ {_mib(r.budget)} (x{r.budget_ratio:.2f} of {of})"
+    of = ("eager PyTorch's measured step" if r.fits and r.measured_time is not None
+          else "the captured program's simulated step")
     if r.budget_kind == "lat":
-        return f"latency ≤ {_ms(r.budget)} (x{r.budget_ratio:.2f} of the unoptimized step)"
-    return "none: lowest peak within 10% of the unoptimized latency"
+        return f"latency ≤ x{r.budget_ratio:.2f} of {of}"
+    return f"none: lowest peak within 10% of {of}"
 
 
 def _names(items: list[str]) -> str:
@@ -116,8 +150,9 @@ def result_html(r: OptimizeResult) -> str:
         ("peak memory", f"{_mib(b.peak)} → <b>{_mib(a.peak)}</b> (x{r.mem_ratio:.3f}, "
                         f"simulated; {escape(memory_kind(r))})"),
         *([("measured", escape(measured))] if measured else []),
-        ("step latency", f"{_ms(b.latency)} → <b>{_ms(a.latency)}</b> (x{r.lat_ratio:.3f}, "
-                         f"cost model: {escape(r.profile)})"),
+        ("step time", f"<b>{escape(time_text(r))}</b>"),
+        ("simulated latency", f"{_ms(b.latency)} → {_ms(a.latency)} (x{r.lat_ratio:.3f}, "
+                              f"cost model: {escape(r.profile)})"),
         ("fission", _fission(a)),
         ("re-materialized ops", _names(a.remat)),
         ("swapped to host", _names(a.swaps)),
@@ -140,20 +175,25 @@ def _phases(r: OptimizeResult) -> str:
 
 def summary_table(r: OptimizeResult) -> str:
     """Before/after as a Markdown table (prints well in a terminal too)."""
-    lines = ["| plan | peak MiB | x peak | latency ms | x latency | applied |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| plan | peak MiB | x peak | sim. latency ms | sim. x latency | measured x time "
+             "| applied |", "|---|---|---|---|---|---|---|"]
     ref = r.reference_peak
+    timed = r.measured_time is not None
     if r.eager_peak is not None:
-        lines.append(f"| eager | {r.eager_peak / 2**20:.2f} | 1.000 | | | measured: "
-                     "PyTorch as you run it |")
+        lines.append(f"| eager | {r.eager_peak / 2**20:.2f} | 1.000 | | | "
+                     f"{'1.000' if timed else ''} | measured: PyTorch as you run it |")
     for row in r.summary():
         p = r.before if row["plan"] == "before" else r.plan
+        t = r.times.get(id(p))
         lines.append(f"| {row['plan']} | {row['peak_MiB']:.2f} | {p.peak / ref:.3f} "
                      f"| {row['latency_ms']:.3f} | {p.latency / r.before.latency:.3f} "
-                     f"| {row['applied']} |")
+                     f"| {f'{t.ratio:.3f}' if t is not None else ''} | {row['applied']} |")
     of = "eager's measured step" if r.eager_peak is not None else "the captured program"
-    lines.append(f"\nplan peaks are simulated, x peak is of {of}; latencies are simulated, "
-                 f"x latency is of the captured program's; {memory_kind(r)}")
+    lines.append(f"\nplan peaks are simulated, x peak is of {of}; sim. latencies are "
+                 "simulated, of the captured program's; measured x time is a plan's step "
+                 "over eager's, timed here (median of interleaved pairs); "
+                 f"{memory_kind(r)}")
+    lines.append(f"step time: {time_text(r)}")
     measured = measured_text(r)
     if measured:
         lines.append(measured)

@@ -11,12 +11,14 @@ chosen plan and `timeline` gives the per-category memory curve for plots.
 from __future__ import annotations
 
 import gc
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch.nn as nn
 
-from .report import result_html, summary_table
+from ..timing import PairTiming
+from .report import peak_ratios, result_html, summary_table
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,11 @@ class OptimizeResult:
     # plans that passed the check but measured above `eager_peak`: (plan, measured
     # peak), taken off the front (Note [the budget's baseline])
     over_eager: list = field(default_factory=list)
+    # times plans' steps against eager's where the step runs here (`search.walltime`;
+    # None: it cannot, Note [measured at the front door] in `search.measured_choice`)
+    timer: Any = None
+    # id(plan) -> its `PairTiming` against eager's step, for every plan timed
+    times: dict = field(default_factory=dict)
 
     # -- picking another plan -------------------------------------------------------
     def select(self, mem_budget: float | int | None = None,
@@ -168,12 +175,39 @@ class OptimizeResult:
         fastest plan under it, or the lowest-peak plan when none fits.
         ``lat_budget``: ratio of the unoptimized latency; picks the lowest-peak plan
         within it, or the fastest plan when none fits. Updates ``plan``, ``met``,
-        ``message``, ``budget*`` and returns the plan.
+        ``message``, ``budget*`` and returns the plan. Where the result can time
+        plans (``timer``), the choice is then made on measured time as `optimize`
+        makes it: a latency budget becomes a ratio of eager's measured step
+        (Note [measured at the front door] in `search.measured_choice`).
         """
         return self.builder.select(self, mem_budget, lat_budget)
 
-    def fit_measured(self, measure: Callable[[nn.Module], float], lat_budget: float,
-                     tries: int = 6) -> Plan:
+    def time_plan(self, plan: Plan) -> PairTiming | None:
+        """``plan``'s step timed against eager's (`search.walltime`), once per
+        plan; None when this result cannot time plans here (``timer`` None)."""
+        if self.timer is None:
+            return None
+        if id(plan) not in self.times:
+            try:
+                self.times[id(plan)] = self.timer(self.module_for(plan))
+            finally:
+                if plan is not self.plan:
+                    self.drop_module(plan)
+        return self.times[id(plan)]
+
+    @property
+    def measured_time(self) -> PairTiming | None:
+        """The chosen plan's step timed against eager's, or None (not timed)."""
+        return self.times.get(id(self.plan))
+
+    @property
+    def time_ratio(self) -> float | None:
+        """The chosen plan's measured step over eager's (median of the pairs)."""
+        t = self.measured_time
+        return t.ratio if t is not None else None
+
+    def fit_measured(self, measure: Callable[[nn.Module], float] | None, lat_budget: float,
+                     tries: int = 6, deadline: float | None = None) -> Plan:
         """Choose the lowest-peak plan whose *measured* time ratio is within
         ``lat_budget`` (no new search).
 
@@ -191,30 +225,47 @@ class OptimizeResult:
         the bisection goes on among them. ``met`` says whether a measured plan
         fits; when none does, the one that measured fastest is chosen. Every
         measurement is kept in ``fits`` as (plan, measured ratio).
+        ``measure=None``: the result's own timer (`time_plan`; each plan's
+        `PairTiming` kept in ``times``), a plan fitting when its
+        `PairTiming.median_bound` is within the budget. ``deadline`` (a
+        `time.perf_counter` value): no plan is timed after it but the first.
         """
         if lat_budget <= 0:
             raise ValueError(f"lat_budget must be positive, got {lat_budget!r}")
+        if measure is None and self.timer is None:
+            raise ValueError("fit_measured needs a measure(module) callback: this result "
+                             "cannot time plans here (planned for another device, on the "
+                             "meta device, or with verify=False)")
         base = self.before.latency
         front = sorted(self.pareto, key=lambda p: (p.peak, p.latency))
         within = [i for i, p in enumerate(front) if p.latency <= lat_budget * base]
         self.fits, self.refined = [], []
         ratios: dict[int, float] = {}
 
+        def more() -> bool:
+            return len(self.fits) < tries and (
+                deadline is None or not self.fits or time.perf_counter() < deadline)
+
         def measured_plan(p: Plan) -> float:
-            if id(p) not in ratios and self.builder.rejects(self, p):
-                ratios[id(p)] = float("inf")    # failed its check against eager: never chosen
+            if id(p) not in ratios and not self.builder.admissible(self, p):
+                ratios[id(p)] = float("inf")    # failed its check, or above eager's peak
             if id(p) not in ratios:
-                ratios[id(p)] = float(measure(self.module_for(p)))
+                if measure is None:
+                    # the bound, not the median: a plan whose median lands just
+                    # under the budget measures over it on fresh pairs half the time
+                    ratios[id(p)] = self.time_plan(p).median_bound
+                else:
+                    ratios[id(p)] = float(measure(self.module_for(p)))
+                    # drop it (and its host buffers) before the next plan runs: modules
+                    # piling up change the process's memory, and later timings with it
+                    self.drop_module(p)
                 self.fits.append((p, ratios[id(p)]))
-                # drop it (and its host buffers) before the next plan runs: modules
-                # piling up change the process's memory, and later timings with it
-                self.drop_module(p)
             return ratios[id(p)]
 
         def bisect(plans: list[Plan], good: int, bad: int) -> tuple[int, int]:
             """Indices into ``plans`` of one that fits and one measured over the
             budget (-1 or len(plans): known from elsewhere), narrowed to neighbours."""
-            while abs(bad - good) > 1 and len(self.fits) < tries:
+            while abs(bad - good) > 1 and more():
                 mid = (good + bad) // 2
                 if measured_plan(plans[mid]) <= lat_budget:
                     good = mid
@@ -225,7 +276,7 @@ class OptimizeResult:
         # over: a plan known to measure over the budget; ok: one known to fit
         over, ok = -1, None
         for i in ([within[0]] if within else []) + [len(front) - 1]:
-            if len(self.fits) >= max(1, tries):
+            if self.fits and not more():
                 break
             if measured_plan(front[i]) <= lat_budget:
                 ok = i
@@ -234,7 +285,7 @@ class OptimizeResult:
         if ok is not None:
             ok, over = bisect(front, ok, over)
             plan = front[ok]
-            if over >= 0 and ok - over == 1 and len(self.fits) < tries:
+            if over >= 0 and ok - over == 1 and more():
                 # largest n that fits among the splits in between (measured time
                 # rises with n): -1 stands for front[ok], len for front[over]
                 self.refined = self.builder.between(front[ok], front[over])
@@ -243,15 +294,16 @@ class OptimizeResult:
                     plan = self.refined[good]
             ratio = ratios[id(plan)]
         elif not self.fits:                 # every plan tried failed its check
-            return self.select(lat_budget=lat_budget)
+            return self.builder.select(self, lat_budget=lat_budget, measured=False)
         else:
             plan, ratio = min(self.fits, key=lambda t: t[1])
         self.plan, self.met = plan, ok is not None
         self.budget_kind, self.budget_ratio, self.budget = "lat", lat_budget, lat_budget * base
         what = f"measured latency budget x{lat_budget:.2f}"
-        detail = (f"peak {plan.peak / 2**20:.2f} MiB ({plan.peak / self.reference_peak:.2f}x), "
-                  f"measured x{ratio:.3f} (simulated x{plan.latency / base:.3f}), "
-                  f"{len(self.fits)} plan(s) measured")
+        timed = (f"measured x{ratio:.3f} (simulated x{plan.latency / base:.3f}), "
+                 if measure is not None else "")     # else the timer's words follow
+        detail = (f"peak {plan.peak / 2**20:.2f} MiB ({peak_ratios(self, plan.peak)}), "
+                  f"{timed}{len(self.fits)} plan(s) measured")
         self.message = (f"{what} met: {detail}" if self.met
                         else f"{what} NOT met: the fastest measured has {detail}")
         return plan
@@ -321,13 +373,18 @@ class OptimizeResult:
         """Before/after rows (what the notebook's table and the README show)."""
         rows = []
         for label, p in (("before", self.before), ("after", self.plan)):
+            t = self.times.get(id(p))
             rows.append({"plan": label, "peak_MiB": round(p.peak / 2**20, 2),
-                         "latency_ms": round(p.latency * 1e3, 3), "applied": p.applied})
+                         "latency_ms": round(p.latency * 1e3, 3), "applied": p.applied,
+                         # wall time over eager's step, where the plan was timed
+                         "measured_time_ratio": round(t.ratio, 3) if t is not None else None})
         return rows
 
     def __repr__(self) -> str:
+        timed = (f"measured x{self.time_ratio:.3f} of eager's step, "
+                 if self.time_ratio is not None else "")
         return (f"OptimizeResult({self.message}; peak {self.before.peak / 2**20:.2f} -> "
-                f"{self.plan.peak / 2**20:.2f} MiB, latency x{self.lat_ratio:.3f}, "
+                f"{self.plan.peak / 2**20:.2f} MiB, {timed}simulated latency x{self.lat_ratio:.3f}, "
                 f"{len(self.pareto)} Pareto plans, {self.states} states in {self.seconds:.1f} s)")
 
     @property
