@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from .batch import CallSpec, split_call
+from .checkpoint import marked_checkpoints, region_tags
 from .outputs import find_loss, flatten
 from .specialize import is_data_dependent, record_scalars, replay_scalars
 from .upstream import fixed_decompositions
@@ -62,6 +63,13 @@ class Captured:
     # order: a buffer can be a view of a larger storage (``torch.hann_window``
     # computes N + 1 points and keeps N), which its fake tensor does not show.
     input_storage: list[int] = field(default_factory=list)
+    # The user's torch.utils.checkpoint regions (Note [the user's checkpoint
+    # regions] in capture/checkpoint.py): forward op name in ``gm`` -> region
+    # number; the same for the ops of their backward; the regions the user ran
+    # reentrant
+    checkpoint: dict[str, int] = field(default_factory=dict)
+    checkpoint_backward: dict[str, int] = field(default_factory=dict)
+    checkpoint_reentrant: tuple = ()
 
     @property
     def n_inputs(self) -> int:
@@ -363,6 +371,9 @@ def capture(model: nn.Module, inputs, *, loss_fn: Callable | None = None,
     fake_log.setLevel(logging.CRITICAL)
     frozen = contextlib.ExitStack()     # unused parameters, frozen while the export retries
     frozen.enter_context(_kept_python_state(model))
+    # Note [the user's checkpoint regions]: around every attempt, and around
+    # _unused_params' trace (a reentrant checkpoint's backward refuses autograd.grad)
+    marks = frozen.enter_context(marked_checkpoints())
     try:
         # At most two retries: once with the parameters that get no gradient frozen,
         # once specialized on the example's values (Note [specialized scalars]).
@@ -393,6 +404,7 @@ def capture(model: nn.Module, inputs, *, loss_fn: Callable | None = None,
         fake_log.setLevel(old_level)
         frozen.close()
 
+    checkpoint, checkpoint_bwd, reentrant = region_tags(gm, marks)
     _refuse_sparse(gm)
     _refuse_stale_constants(gm)
     param_names = [step.param_names[int(n[1:])] for n in sig.parameters]
@@ -417,7 +429,9 @@ def capture(model: nn.Module, inputs, *, loss_fn: Callable | None = None,
         out_spec=step.out_spec, no_grad_params=no_grad,
         constants={n.target: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"},
         specialized=list(scalars or []), seconds=time.perf_counter() - t0,
-        input_storage=[int(t.untyped_storage().nbytes()) for t in real])
+        input_storage=[int(t.untyped_storage().nbytes()) for t in real],
+        checkpoint=checkpoint, checkpoint_backward=checkpoint_bwd,
+        checkpoint_reentrant=reentrant)
 
 
 def _refuse_scripted(model: nn.Module) -> None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 from ..ir.digest import graph_digest
 from .algebra_gains import AlgebraGains
@@ -59,7 +59,7 @@ class Search:
 
     def __init__(self, space: Space, root: State, objective: Objective, time_budget: float,
                  seed: int, max_states: int | None, progress: Progress | None,
-                 progress_every: float):
+                 progress_every: float, starts: Sequence[State] = ()):
         self.space, self.objective = space, objective
         self.time_budget, self.max_states = time_budget, max_states
         self.progress, self.progress_every = progress, progress_every
@@ -86,6 +86,33 @@ class Search:
         if self.ladder is not None:
             self.climbing = StateQueue(self.ladder.target)
             self.climbing.push(root, self.rng.random(), self.counter)
+        for st in starts:
+            self.start(st)
+
+    def start(self, st: State) -> None:
+        """``st``, an evaluated state of the space (the user's own checkpointing:
+        `user_checkpoint.user_checkpoint_state`), as a second root: counted, on
+        the front, the best if it is, and in every queue whatever its rank, so
+        that the search expands it as it expands the root."""
+        if st.digest in self.seen or st.key in self.keys:
+            return
+        self.seen.add(st.digest)
+        self.keys.add(st.key)
+        st.meta.setdefault("rule", "start")
+        log = self.log
+        log.states += 1
+        if not st.batches:
+            self.plan_lat[st.plan] = st.latency
+        log.pareto = pareto_add(log.pareto, st)
+        if self.objective.better(st, log.best):
+            log.best = st
+        self.counter += 1
+        tie = self.rng.random()
+        self.queue.push(st, tie, self.counter)
+        if self.climbing is not None:
+            if self.ladder.target.better(st, self.ladder.best):
+                self.ladder.best = st
+            self.climbing.push(st, tie, self.counter)
 
     # -- the clock -----------------------------------------------------------
     def out_of_time(self) -> bool:
@@ -443,11 +470,14 @@ def _swap_region(plan: tuple, old: int, new: int) -> tuple:
 
 def search(space: Space, root: State, objective: Objective, *, time_budget: float,
            seed: int = 0, max_states: int | None = None, progress: Progress | None = None,
-           progress_every: float = 0.25) -> SearchLog:
+           progress_every: float = 0.25, starts: Sequence[State] = ()) -> SearchLog:
     """Search plans from ``root`` for ``objective`` until ``time_budget`` seconds
     or ``max_states`` states are spent (Ctrl-C: the best so far, ``interrupted``).
-    ``progress(best, states, seconds, done)`` is called a few times a second."""
-    s = Search(space, root, objective, time_budget, seed, max_states, progress, progress_every)
+    ``progress(best, states, seconds, done)`` is called a few times a second.
+    ``starts``: further evaluated states of ``space`` the search starts from
+    beside ``root`` (`Search.start`); none: the search is as without them."""
+    s = Search(space, root, objective, time_budget, seed, max_states, progress, progress_every,
+               starts)
     with paused_gc():
         try:
             s.run(root)
