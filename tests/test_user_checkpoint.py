@@ -120,3 +120,17 @@ def test_the_search_starts_from_it_too():
     assert "pending" in st.meta          # expanded
     assert log.best.peak <= st.peak
     assert any(s is not st and s.batches[:len(st.batches)] == st.batches for s in log.pareto)
+
+
+def test_optimize_starts_from_the_users_checkpointing_and_never_returns_above_it():
+    """Wired into `optimize`: the re-derived checkpointing is a start of the
+    search, so with two states (the captured program and that start) the plan
+    returned is it, at or below eager's step."""
+    import magis_nb
+
+    case = build("torch-checkpoint")
+    res = magis_nb.optimize(case.model, case.inputs, loss_fn=case.loss_fn, time_budget=20,
+                            max_states=2, measure_time=False, mem_budget=1.0)
+    assert res.eager_peak < res.before.peak            # capture inlined the checkpoints
+    assert res.plan.state.meta.get("rule") == "user-checkpoint", res.plan.applied
+    assert res.measured.peak <= res.eager_peak and res.met

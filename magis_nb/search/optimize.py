@@ -29,6 +29,7 @@ from .measured_choice import choose_measured
 from .proposals import split_first
 from .space import Space, State
 from .transfers import swap_ops
+from .user_checkpoint import user_checkpoint_state
 from .walltime import StepTimer
 
 DEFAULT_LAT = 1.10        # no budget given: the lowest peak within 10% latency
@@ -521,6 +522,8 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
                 peak, latency, meta = space.fused(g, base_order, peak, latency, in_place=False)
             before = State((), (), g, [], base_order, peak, latency, [], 0, meta=meta)
             root = split_first(space, space.evaluate((), (), g))
+            # the user's own checkpointing, re-derived: a start no worse than their eager step
+            user_ck = user_checkpoint_state(space, root)
         except Exception as e:  # noqa: BLE001
             raise PlanError(_bug("analysing the program", e, hint=True)) from e
         # Note [the budget's baseline]: eager's step, measured, before the search
@@ -546,7 +549,8 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
         t_analysis = time.perf_counter()
         try:
             log = search(space, root, objective, time_budget=time_budget, seed=seed,
-                         max_states=max_states, progress=report)
+                         max_states=max_states, progress=report,
+                         starts=[user_ck] if user_ck is not None else ())
         except Exception as e:  # noqa: BLE001
             raise PlanError(_bug("the search", e, hint=True)) from e
     if hasattr(cost, "save"):
