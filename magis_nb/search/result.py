@@ -165,6 +165,8 @@ class OptimizeResult:
     timer: Any = None
     # id(plan) -> its `PairTiming` against eager's step, for every plan timed
     times: dict = field(default_factory=dict)
+    # the plans `times` holds, kept alive so that no other plan takes one's id
+    _timed: list = field(default_factory=list, repr=False)
 
     # -- picking another plan -------------------------------------------------------
     def select(self, mem_budget: float | int | None = None,
@@ -190,6 +192,7 @@ class OptimizeResult:
         if id(plan) not in self.times:
             try:
                 self.times[id(plan)] = self.timer(self.module_for(plan))
+                self._timed.append(plan)
             finally:
                 if plan is not self.plan:
                     self.drop_module(plan)
