@@ -16,6 +16,7 @@ COMMANDS = {
     "longctx": "causal LMs at 1-8x the sequence length in eager's memory at 1x, against peers",
     "tiles": "U-Net inference on a large image, planned into tiles with halos (CPU)",
     "ddp": "data parallel (2 gloo ranks): magis_nb's bucketed plans against DDP eager",
+    "latency": "simulated plan latency against the measured step (ratios, the ops furthest off)",
     "gpu": "the one-shot GPU check: GPU tests, simcheck, eager vs plans, hidden transfers",
 }
 
