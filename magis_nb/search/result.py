@@ -194,8 +194,9 @@ class OptimizeResult:
                 self.times[id(plan)] = self.timer(self.module_for(plan))
                 self._timed.append(plan)
             finally:
-                if plan is not self.plan:
-                    self.drop_module(plan)
+                # the process holds what it held before (host buffers included):
+                # `module_for` builds it again when asked
+                self.drop_module(plan)
         return self.times[id(plan)]
 
     @property
