@@ -18,12 +18,15 @@ def parser(prog: str, doc: str) -> argparse.ArgumentParser:
     return p
 
 
-def write_json(path: str | None, obj) -> None:
+def write_json(path: str | None, obj, quiet: bool = False) -> None:
+    """``obj`` as JSON at ``path`` (nothing when None); ``quiet``: without saying
+    so (a long run writing its partial results after every model)."""
     if path:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump(obj, f, indent=2)
-        print(f"wrote {path}")
+        if not quiet:
+            print(f"wrote {path}")
 
 
 def fixed_threads(n: int = 2) -> None:

@@ -83,7 +83,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import inspect
 import math
 import os
 import statistics
@@ -92,6 +91,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..simulate.measured import BUSY   # the canary over this many times its best: a busy CPU
 from .common import fixed_threads, parser, run_child, send_result, table, write_json
 
 DEFAULT_TIME, DEFAULT_STATES = 10.0, 60
@@ -101,7 +101,6 @@ MIN_PAIRS, MAX_PAIRS, PAIR_SECONDS = 7, 41, 6.0
 THRESHOLD, TOP, PROFILE_STEPS = 0.10, 5, 3
 ZOO = "zoo:"
 STEP_MARK = "magis_nb.bench.latency.step"
-BUSY = 3.0            # the canary over this many times its best: as `simulate.measured.BUSY`
 
 
 # -- the models ------------------------------------------------------------------------
@@ -152,17 +151,17 @@ class Rounds:
     eager_s: list[float]
     first_s: float
 
-    def vs_base(self):
+    def _vs(self, ref_s: list[float]):
         from ..timing import PairTiming
 
-        return PairTiming(self.first_s, statistics.median(self.plan_s), statistics.median(self.base_s),
-                          [a / b for a, b in zip(self.plan_s, self.base_s)])
+        return PairTiming(self.first_s, statistics.median(self.plan_s), statistics.median(ref_s),
+                          [a / b for a, b in zip(self.plan_s, ref_s)])
+
+    def vs_base(self):
+        return self._vs(self.base_s)
 
     def vs_eager(self):
-        from ..timing import PairTiming
-
-        return PairTiming(self.first_s, statistics.median(self.plan_s), statistics.median(self.eager_s),
-                          [a / b for a, b in zip(self.plan_s, self.eager_s)])
+        return self._vs(self.eager_s)
 
 
 def time_rounds(calls: list[tuple[Callable, Callable | None]], *, min_pairs: int, max_pairs: int,
@@ -388,12 +387,11 @@ def model_rows(name: str, *, time_budget: float = DEFAULT_TIME, max_states: int 
     except Exception as e:  # noqa: BLE001 - a failure is a row
         return [dict(base_row, plan=None, budget=None, error=user_error(e), stage="build",
                      seconds=round(time.perf_counter() - t0, 2))]
-    kw = {"verify": False}
-    if "measure_time" in inspect.signature(optimize).parameters:
-        kw["measure_time"] = False            # the simulated choice: what is measured here
     try:
+        # the simulated choice (measure_time=False): what is measured here
         res = optimize(case.model, case.inputs, loss_fn=case.loss_fn, mem_budget=0.5,
-                       time_budget=time_budget, max_states=max_states, **kw)
+                       time_budget=time_budget, max_states=max_states, verify=False,
+                       measure_time=False)
         plans = plans_of(res)
     except Exception as e:  # noqa: BLE001
         return [dict(base_row, plan=None, budget=None, error=user_error(e), stage="optimize",
@@ -574,14 +572,6 @@ def show_ops(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def _write_quiet(path: str, rows: list[dict]) -> None:
-    import json
-
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(rows, f, indent=2)
-
-
 def main(argv) -> int:
     p = parser("latency", __doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=None,
@@ -636,7 +626,7 @@ def main(argv) -> int:
                   f"eager={r.get('eager_ratio')} pairs={r.get('pairs')} {r.get('seconds')} s"
                   + (f"  error: {_short(r['error'], 120)}" if r.get("error") else ""), flush=True)
         if a.json:                             # partial results survive a long run
-            _write_quiet(a.json, rows)
+            write_json(a.json, rows, quiet=True)
     print()
     print(show(rows))
     ops = show_ops(rows)

@@ -184,10 +184,10 @@ def summary_table(r: OptimizeResult) -> str:
                      f"{'1.000' if timed else ''} | measured: PyTorch as you run it |")
     for row in r.summary():
         p = r.before if row["plan"] == "before" else r.plan
-        t = r.times.get(id(p))
+        t = row["measured_time_ratio"]
         lines.append(f"| {row['plan']} | {row['peak_MiB']:.2f} | {p.peak / ref:.3f} "
                      f"| {row['latency_ms']:.3f} | {p.latency / r.before.latency:.3f} "
-                     f"| {f'{t.ratio:.3f}' if t is not None else ''} | {row['applied']} |")
+                     f"| {f'{t:.3f}' if t is not None else ''} | {row['applied']} |")
     of = "eager's measured step" if r.eager_peak is not None else "the captured program"
     lines.append(f"\nplan peaks are simulated, x peak is of {of}; sim. latencies are "
                  "simulated, of the captured program's; measured x time is a plan's step "
