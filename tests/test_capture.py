@@ -105,7 +105,7 @@ def test_error_loss_not_scalar():
 
 
 def test_error_no_loss_in_output():
-    with pytest.raises(CaptureError, match="no loss"):
+    with pytest.raises(CaptureError, match=r"no scalar loss in it \(out\[.logits.\] \(2, 3\)\)"):
         capture(_NoLoss(), (torch.randn(2, 3),))
 
 

@@ -386,39 +386,41 @@ def test_roofline_resnet50_paper_on_meta():
 
 def test_a_timing_from_the_file_is_confirmed_once_per_process(small_program, tmp_path,
                                                               monkeypatch):
-    """Note [a timing is confirmed once per process]: a timing another process
-    saved is timed once more on its first use here and the lesser kept (and
-    saved); the next use times nothing; a timing taken while the canary says
-    busy confirms nothing."""
+    """Note [a timing is confirmed once per process]: an op another process timed
+    is timed once more on its first use here; its price is the median of the
+    last SAMPLES timings, which the file keeps; the next use times nothing; a
+    timing taken while the canary says busy adds no sample."""
     import magis_nb.simulate.measured as measured
 
     g = small_program.graph
     ops = [n for n in g.ops if isinstance(n.op, torch._ops.OpOverload)][:3]
     monkeypatch.setattr(MeasuredCost, "busy", lambda self: False)
-    monkeypatch.setattr(MeasuredCost, "time_op", lambda self, *a: 1e-3)
     first = MeasuredCost("cpu", cache_dir=tmp_path)
     keys = [first.signature(g, n) for n in ops]
-    # as a file from another process: a stale high timing, a low one, an unrunnable op
-    first.path.write_text(json.dumps({"ops": {keys[0]: 5e-3, keys[1]: 2e-4, keys[2]: None}}))
+    # as a file from other processes: one stale high timing, five timings, an unrunnable op
+    first.path.write_text(json.dumps({"ops": {keys[0]: 5e-3, keys[1]: [1, 2, 3, 4, 5],
+                                              keys[2]: None}}))
     monkeypatch.setattr(measured, "CONFIRMED", set())
     calls = []
     monkeypatch.setattr(MeasuredCost, "time_op", lambda self, *a: calls.append(a) or 1e-3)
     mc = MeasuredCost("cpu", cache_dir=tmp_path)
-    assert mc.op_cost(g, ops[0]) == 1e-3                 # the stale 5e-3 timed again: lesser kept
-    assert mc.op_cost(g, ops[1]) == 2e-4                 # the lesser is the file's
+    assert mc.op_cost(g, ops[0]) == pytest.approx(3e-3)   # the median of 5e-3 and 1e-3
+    assert mc.op_cost(g, ops[1]) == 3                      # of 2, 3, 4, 5, 1e-3: the oldest dropped
     assert mc.op_cost(g, ops[2]) == mc.fallback.op_cost(g, ops[2])   # unrunnable: not timed
     assert len(calls) == 2
-    assert [mc.op_cost(g, n) for n in ops[:2]] == [1e-3, 2e-4] and len(calls) == 2
+    assert mc.op_cost(g, ops[0]) == pytest.approx(3e-3) and len(calls) == 2
     mc.save()
-    assert json.loads(mc.path.read_text())["ops"][keys[0]] == 1e-3
+    ops_on_disk = json.loads(mc.path.read_text())["ops"]
+    assert ops_on_disk[keys[0]] == [5e-3, 1e-3] and ops_on_disk[keys[1]] == [2, 3, 4, 5, 1e-3]
     # another instance in this process: confirmed already
-    assert MeasuredCost("cpu", cache_dir=tmp_path).op_cost(g, ops[0]) == 1e-3 and len(calls) == 2
+    again = MeasuredCost("cpu", cache_dir=tmp_path)
+    assert again.op_cost(g, ops[0]) == pytest.approx(3e-3) and len(calls) == 2
 
-    # busy while confirming: the file's timing is used and asked again next time
+    # busy while confirming: the file's median is used and the op asked again next time
     monkeypatch.setattr(measured, "CONFIRMED", set())
     busy = iter([True, False, False, False])
     monkeypatch.setattr(MeasuredCost, "busy", lambda self: next(busy))
     monkeypatch.setattr(MeasuredCost, "time_op", lambda self, *a: 1e-4)
     mc = MeasuredCost("cpu", cache_dir=tmp_path)
-    assert mc.op_cost(g, ops[0]) == 1e-3                 # busy: nothing confirmed
-    assert mc.op_cost(g, ops[0]) == 1e-4                 # idle: confirmed, lesser kept
+    assert mc.op_cost(g, ops[0]) == pytest.approx(3e-3)   # busy: no sample
+    assert mc.op_cost(g, ops[0]) == pytest.approx(1e-3)   # median of 5e-3, 1e-3, 1e-4

@@ -49,6 +49,9 @@ class CallSpec:
     spec: Any                       # pytree spec of (args, kwargs)
     tensor_at: list[int]            # leaf positions that are tensors
     consts: dict[int, Any]          # leaf position -> constant value
+    # names of the positional arguments in messages: the forward's parameters
+    # (``use_residual``, not ``arg1``), "target" for the loss's (`named`)
+    params: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, args: tuple, kwargs: dict) -> "CallSpec":
@@ -90,13 +93,32 @@ class CallSpec:
         """A readable name for each tensor leaf: ``input_ids``, ``arg0``, ``arg1[2]``."""
         return [self._where(i) for i in self.tensor_at]
 
+    def named(self, model, target: bool) -> "CallSpec":
+        """This call with its positional arguments named after ``model.forward``'s
+        parameters (``target``: the last is the loss's target, not the model's)."""
+        import inspect
+
+        try:
+            sig = inspect.signature(model.forward)
+        except (TypeError, ValueError):
+            return self
+        names = [p.name for p in sig.parameters.values()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        n_args = len(pytree.tree_unflatten(list(range(len(self.tensor_at) + len(self.consts))),
+                                           self.spec)[0])
+        own = n_args - 1 if target else n_args
+        params = tuple(names[i] if i < len(names) else f"arg{i}" for i in range(own))
+        self.params = params + (("target",) if target else ())
+        return self
+
     def _where(self, leaf: int) -> str:
         paths, _ = pytree.tree_flatten_with_path(self._leaf_positions())
         path = paths[leaf][0]
         top = path[0].idx                      # 0: args, 1: kwargs
         rest = path[1:]
         if top == 0:
-            head, rest = f"arg{rest[0].idx}", rest[1:]
+            i = rest[0].idx
+            head, rest = (self.params[i] if i < len(self.params) else f"arg{i}"), rest[1:]
         else:
             head, rest = str(rest[0].key), rest[1:]
         return head + "".join(pytree.keystr((k,)) for k in rest)

@@ -19,8 +19,8 @@ import torch.nn as nn
 
 from .batch import CallSpec, split_call
 from .checkpoint import marked_checkpoints, region_tags
-from .outputs import find_loss, flatten
-from .specialize import is_data_dependent, record_scalars, replay_scalars
+from .outputs import find_loss, flatten, locate_loss
+from .specialize import RandomBranchError, is_data_dependent, record_scalars, replay_scalars
 from .upstream import fixed_decompositions
 
 TORCH_DIR = os.path.dirname(torch.__file__)
@@ -70,6 +70,10 @@ class Captured:
     checkpoint: dict[str, int] = field(default_factory=dict)
     checkpoint_backward: dict[str, int] = field(default_factory=dict)
     checkpoint_reentrant: tuple = ()
+    # Training without loss_fn: where in the model's output the loss was
+    # (``out[1]`` of nanoGPT's ``(logits, loss)``, ``out.loss``); None where the
+    # model returned the loss itself (`outputs.locate_loss`)
+    loss_at: str | None = None
 
     @property
     def n_inputs(self) -> int:
@@ -100,6 +104,7 @@ class _Step(nn.Module):
         object.__setattr__(self, "_mode", mode)
         object.__setattr__(self, "call", call)
         object.__setattr__(self, "out_spec", None)
+        object.__setattr__(self, "loss_at", None)    # where in the output the loss was
         self.param_names = [n for n, _ in model.named_parameters()]
         self.buffer_names = [n for n, _ in model.named_buffers()]
         for i, (_, p) in enumerate(model.named_parameters()):
@@ -125,7 +130,14 @@ class _Step(nn.Module):
             return torch.func.functional_call(self.model, self.state(), a, k,
                                               tie_weights=True, strict=False)
 
-        out = _called(model, args, kwargs, self._loss_fn, self._mode)
+        if self._mode == "train" and self._loss_fn is None:
+            try:
+                out, where = locate_loss(model(*args, **kwargs))
+            except TypeError as e:
+                raise CaptureError(str(e)) from None
+            object.__setattr__(self, "loss_at", where)
+        else:
+            out = _called(model, args, kwargs, self._loss_fn, self._mode)
         if self._mode == "infer":
             leaves, spec = flatten(out)
             object.__setattr__(self, "out_spec", spec)
@@ -205,6 +217,8 @@ def _explain(exc: BaseException) -> str:
     msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     name = type(exc).__name__
     text = str(exc)
+    if isinstance(exc, RandomBranchError):
+        return str(exc)
     if is_data_dependent(exc):
         return ("forward() has Python control flow that depends on tensor values "
                 "(an `if`/`while` on a tensor, .item(), .tolist()) that could not be "
@@ -336,7 +350,7 @@ def capture(model: nn.Module, inputs, *, loss_fn: Callable | None = None,
     program as constants. Training: with ``loss_fn`` the last positional input is
     the target, the model gets the others and the loss is ``loss_fn(output,
     target)``; without it the model gets every input and must return its own loss
-    (a scalar, ``out["loss"]``, ``out.loss`` or ``out[0]``).
+    (a scalar, ``out["loss"]``, ``out.loss``, or the one scalar of a tuple: `outputs.locate_loss`).
     """
     from torch._functorch.aot_autograd import aot_export_module
 
@@ -348,6 +362,7 @@ def capture(model: nn.Module, inputs, *, loss_fn: Callable | None = None,
     if mode == "train":
         _refuse_scripted(model)
     call, tensors = _call_spec(inputs, loss_fn, mode)
+    call.named(model, target=mode == "train" and loss_fn is not None)
     step = _Step(model, loss_fn, mode, call)
     t0 = time.perf_counter()
     no_grad: list[str] = []
@@ -431,7 +446,7 @@ def capture(model: nn.Module, inputs, *, loss_fn: Callable | None = None,
         specialized=list(scalars or []), seconds=time.perf_counter() - t0,
         input_storage=[int(t.untyped_storage().nbytes()) for t in real],
         checkpoint=checkpoint, checkpoint_backward=checkpoint_bwd,
-        checkpoint_reentrant=reentrant)
+        checkpoint_reentrant=reentrant, loss_at=step.loss_at)
 
 
 def _refuse_scripted(model: nn.Module) -> None:

@@ -21,10 +21,12 @@ import functools
 import importlib
 import os
 import traceback
+import weakref
 from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from ..snapshot import ModelSnapshot
 
@@ -71,16 +73,82 @@ def _caller() -> str:
     return "forward()"
 
 
+class RandomBranchError(ValueError):
+    """forward() branches on a value drawn at random (Note [a branch on a random draw])."""
+
+
+# Note [a branch on a random draw]
+# HF's layerdrop draws ``torch.rand([])`` and skips the layer when it falls under
+# p. Specialized like any value, the plan holds the example's draw, and a later
+# step draws another one: in a training loop 5 of 8 later seeds raised
+# SpecializationError at step k, a crash capture could have seen. A plan is one
+# pattern of branches (planning each of 2^layers patterns is no plan), and
+# running the other patterns eagerly would take eager's memory on nearly every
+# step. So the recording pass follows what random ops made (every tensor
+# computed from a random op's output, views and in-place writes included) and
+# refuses the capture when a specialized value is one of them, naming the line
+# and the switch that turns the draw off.
+_RANDOM = {getattr(aten, n) for n in (
+    "rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm",
+    "bernoulli", "bernoulli_", "uniform_", "normal", "normal_", "exponential_",
+    "geometric_", "cauchy_", "log_normal_", "random_", "multinomial", "poisson",
+    "native_dropout", "_standard_gamma") if hasattr(aten, n)}
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.values: list = []
+        self.random: list[tuple[str, str]] = []    # (where, random op) of a random branch
+        # id(tensor) -> (a weak reference to it, the random op it comes from)
+        self._drawn: dict[int, tuple[weakref.ref, str]] = {}
+
+    def _from_random(self, t) -> str | None:
+        got = self._drawn.get(id(t))
+        return got[1] if got is not None and got[0]() is t else None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        source = (f"aten.{func.overloadpacket.__name__} (drawn at {_caller()})"
+                  if func.overloadpacket in _RANDOM else
+                  next((o for o in map(self._from_random, ins) if o is not None), None))
         if func in SCALAR_OPS:
-            self.values.append((out, _caller()))
+            where = _caller()
+            self.values.append((out, where))
+            if source is not None:
+                self.random.append((where, source))
+        elif source is not None:
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self._drawn[id(t)] = (weakref.ref(t), source)
         return out
+
+
+def _switches(model: torch.nn.Module) -> list[str]:
+    """Module attributes that turn a random branch off (HF's ``layerdrop``, which
+    each encoder and decoder copies from its config when it is built), set above 0."""
+    out = []
+    for name, mod in model.named_modules():
+        for k, v in vars(mod).items():
+            if "layerdrop" in k.lower() and isinstance(v, (int, float)) \
+                    and not isinstance(v, bool) and v > 0:
+                out.append(f"model.{name + '.' if name else ''}{k} = 0.0 (now {v})")
+    return out
+
+
+def _random_branch(model: torch.nn.Module, random: list[tuple[str, str]]) -> RandomBranchError:
+    where, op = random[0]
+    switch = _switches(model)
+    how = (f"set {' and '.join(switch)} before optimizing" if switch else
+           "turn that draw off for training (for an HF model with layerdrop: "
+           "layerdrop=0.0 in its config)")
+    more = f" ({len(random) - 1} more such branch(es))" if len(random) > 1 else ""
+    return RandomBranchError(
+        f"forward() branches on a random draw: {where} reads a value computed from "
+        f"{op}{more}. A plan is made for one branch of forward(), and a later step "
+        f"draws another, so the step cannot be planned; {how} "
+        "(Note [a branch on a random draw])")
 
 
 def record_scalars(run: Callable[[], object], model: torch.nn.Module, grad: bool) -> list:
@@ -90,7 +158,8 @@ def record_scalars(run: Callable[[], object], model: torch.nn.Module, grad: bool
     The model's buffers (BatchNorm running statistics) and the global RNG come
     back as they were: recording must not change the user's training. ``grad``:
     run with autograd on, as the export of a training step does (a forward may
-    branch on ``torch.is_grad_enabled()``)."""
+    branch on ``torch.is_grad_enabled()``). A value computed from a random draw
+    raises RandomBranchError (Note [a branch on a random draw])."""
     buffers = ModelSnapshot.buffers_of(model)
     rec = _Recorder()
     try:
@@ -98,6 +167,8 @@ def record_scalars(run: Callable[[], object], model: torch.nn.Module, grad: bool
             run()
     finally:
         buffers.restore()
+    if rec.random:
+        raise _random_branch(model, rec.random)
     return rec.values
 
 

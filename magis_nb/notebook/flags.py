@@ -28,6 +28,7 @@ class MagisFlags:
     mem: float | int | None = None     # ratio (<= 16) or bytes, as optimize() takes it
     lat: float | None = None           # ratio of the unoptimized latency
     time: float = 60.0
+    states: int | None = None          # bound on the states searched (optimize's max_states)
     profile: str | None = None
     out: str | None = None
     quiet: bool = False
@@ -37,6 +38,7 @@ class MagisFlags:
     simulated: bool = False            # no plan is timed: the choice on simulated latency
     swap: bool | None = None           # None: optimize's default (swaps only for a GPU)
     ddp: bool = False                  # data parallel on torch.distributed's default group
+    strict: bool = False               # a missed budget raises (and binds nothing)
 
     @property
     def measure_time(self) -> bool | None:
@@ -117,6 +119,14 @@ def from_args(args) -> MagisFlags:
     if args.mode not in MODES:
         raise UsageError(f"--mode {args.mode!r}: expected train or infer")
     time = parse_ratio("--time", args.time)
+    states = None
+    if args.states is not None:
+        try:
+            states = int(args.states)
+        except ValueError:
+            states = 0
+        if states < 1:
+            raise UsageError(f"--states {args.states!r}: give a whole number of states, at least 1")
     if args.mem is not None and args.lat is not None:
         raise UsageError("give --mem or --lat, not both: a memory budget picks the fastest "
                          "plan under it, a latency budget the lowest peak within it")
@@ -146,6 +156,7 @@ def from_args(args) -> MagisFlags:
         mem=parse_mem(args.mem),
         lat=parse_ratio("--lat", args.lat),
         time=60.0 if time is None else time,
+        states=states,
         profile=profile,
         out=check_identifier("-o", args.out),
         quiet=args.quiet,
@@ -155,4 +166,5 @@ def from_args(args) -> MagisFlags:
         simulated=args.simulated,
         swap=True if args.swap else False if args.no_swap else None,
         ddp=args.ddp,
+        strict=args.strict,
     )

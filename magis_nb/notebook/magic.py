@@ -33,6 +33,9 @@ class MagisMagics(Magics):
     @argument("--lat", metavar="RATIO", help="latency budget as a ratio of the unoptimized "
               "step (1.1); with no budget: lowest peak within 10%% latency")
     @argument("--time", metavar="SECONDS", help="search time budget (default: 60)")
+    @argument("--states", metavar="N", help="bound the search by the states it explores "
+              "(the outcome then does not depend on how loaded the machine is; --time "
+              "still caps it)")
     @argument("--profile", metavar="NAME", help="cost model: rtx3090, a100, h100, h200, cpu "
               "(roofline) or measured (default: measured on this machine)")
     @argument("-o", dest="out", metavar="NAME", help="variable for the optimized module "
@@ -55,6 +58,9 @@ class MagisMagics(Magics):
               help="require plans timed against eager PyTorch here (the default wherever "
               "the step runs on this machine): an error where they cannot be, as with a "
               "GPU --profile")
+    @argument("--strict", action="store_true",
+              help="a budget the search misses is an error and nothing is bound (by "
+              "default the best plan found is bound and the report says NOT met)")
     @argument("--simulated", action="store_true",
               help="choose on simulated latency alone: no plan is timed (faster; the "
               "latency shown is the cost model's)")
@@ -65,8 +71,9 @@ class MagisMagics(Magics):
         The cell runs once in the notebook's namespace (like %%time). The model and
         its example inputs are found among what the cell defined; the optimized
         module is bound to <model>_opt and the OptimizeResult to <model>_opt_result.
-        If anything after the cell fails (no model, capture, infeasible budget), a
-        UsageError says why and no name is bound beyond what the cell itself did.
+        If anything after the cell fails (no model, capture), a UsageError says why
+        and no name is bound beyond what the cell itself did. A budget the search
+        misses binds the best plan found and says NOT met (--strict: a UsageError).
 
             %%magis --mem 0.5 --time 20
             model = GPT(cfg)
@@ -90,6 +97,7 @@ class MagisMagics(Magics):
         try:
             result = optimize(found.model, found.inputs, loss_fn=found.loss_fn, mode=args.mode,
                               mem_budget=args.mem, lat_budget=args.lat, time_budget=args.time,
+                              max_states=args.states,
                               device_profile=args.profile, progress=progress,
                               algebra=args.algebra, swap=args.swap,
                               process_group=True if args.ddp else None,
@@ -105,13 +113,21 @@ class MagisMagics(Magics):
             raise
         if progress is not None:
             progress.close()
-        if not result.met and not result.interrupted and result.budget_kind is not None:
-            raise UsageError(measured_infeasible_message(result) if result.fits
-                             else infeasible_message(result))
+        missed = not result.met and not result.interrupted and result.budget_kind is not None
+        if missed and args.strict:
+            raise UsageError((measured_infeasible_message(result) if result.fits
+                              else infeasible_message(result)) + " Nothing was bound.")
         session = Session(ns, name, found.model_name, result)
         session.bind()
         self.sessions[name] = session
         self.last = session
+        if missed:
+            # Note [a missed budget in a notebook]: a search bounded by seconds can
+            # miss by a hair on a loaded machine (0.503 against --mem 0.5); the best
+            # plan found is bound and said plainly, the slider moves on from it
+            print((measured_infeasible_message(result) if result.fits
+                   else infeasible_message(result))
+                  + f" Bound the best plan found to {name} (--strict: an error instead).")
         if not args.quiet:
             self._report(session, args.plot)
 

@@ -54,26 +54,25 @@ class Session:
 
 
 def infeasible_message(r: OptimizeResult) -> str:
-    """The UsageError text for a budget the search could not meet."""
+    """What to say of a budget the search could not meet (a UsageError with --strict)."""
     plans = list(r.pareto) + [r.plan]
     if r.budget_kind == "lat":
         fast = min(p.latency for p in plans)
         return (f"%%magis could not meet the latency budget x{r.budget_ratio:.2f} "
                 f"({r.budget * 1e3:.3f} ms): the fastest step reached is {fast * 1e3:.3f} ms "
-                f"(x{fast / r.before.latency:.3f}) in {r.seconds:.1f} s. Raise --lat. "
-                "Nothing was bound.")
+                f"(x{fast / r.before.latency:.3f}) in {r.seconds:.1f} s: NOT met. Raise --lat.")
     low = min(p.peak for p in plans)
     return (f"%%magis could not meet the memory budget {r.budget / MiB:.2f} MiB "
             f"(x{r.budget_ratio:.2f}): the lowest peak reached is {low / MiB:.2f} MiB "
             f"(x{low / r.reference_peak:.3f} of {r.reference_peak / MiB:.2f} MiB) in "
-            f"{r.seconds:.1f} s. Raise --mem, give the search more --time, or shrink the "
-            "batch. Nothing was bound.")
+            f"{r.seconds:.1f} s: NOT met. Raise --mem, give the search more --time, or "
+            "shrink the batch.")
 
 
 def measured_infeasible_message(r: OptimizeResult) -> str:
-    """The UsageError text when no timed plan met ``--measured``'s latency budget."""
+    """What to say when no timed plan met the latency budget on measured time."""
     fastest = min(ratio for _, ratio in r.fits)
-    return (f"%%magis --measured could not meet the latency budget x{r.budget_ratio:.2f} "
+    return (f"%%magis could not meet the latency budget x{r.budget_ratio:.2f} "
             f"in wall time: the fastest of the {len(r.fits)} plan(s) timed ran at "
-            f"x{fastest:.3f} of eager PyTorch's step. Raise --lat, or pass --simulated to "
-            "bound the simulated latency. Nothing was bound.")
+            f"x{fastest:.3f} of eager PyTorch's step: NOT met. Raise --lat, or pass "
+            "--simulated to bound the simulated latency.")

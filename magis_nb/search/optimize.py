@@ -561,6 +561,7 @@ def optimize(model: nn.Module, inputs, *, loss_fn: Callable | None = None, mode:
                          [builder.plan_of(s) for s in front], False, "", label,
                          time.perf_counter() - t0, log.states, log.interrupted, builder)
     res.device, res.swap = _device_of(model, inputs), swap
+    res.loss_at = space.program.captured.loss_at
     res.eager_peak = eager_peak
     res.timings = {"capture": t_capture - t0, "analysis": t_analysis - t_capture,
                    "search": log.seconds}

@@ -103,6 +103,12 @@ def time_text(r: OptimizeResult) -> str:
     return f"{sim}, simulated only: {why}"
 
 
+def loss_text(r: OptimizeResult) -> str:
+    """Which of the model's outputs the step trains on (`capture.outputs.locate_loss`)."""
+    return (f"loss: the model's {r.loss_at}, the scalar its output holds; the optimized "
+            "module returns that loss")
+
+
 def budget_text(r: OptimizeResult) -> str:
     if r.budget_kind == "mem":
         of = ("eager PyTorch's measured step" if r.eager_peak is not None
@@ -151,6 +157,7 @@ def result_html(r: OptimizeResult) -> str:
                         f"simulated; {escape(memory_kind(r))})"),
         *([("measured", escape(measured))] if measured else []),
         ("step time", f"<b>{escape(time_text(r))}</b>"),
+        *([("loss", escape(loss_text(r)))] if r.loss_at else []),
         ("simulated latency", f"{_ms(b.latency)} → {_ms(a.latency)} (x{r.lat_ratio:.3f}, "
                               f"cost model: {escape(r.profile)})"),
         ("fission", _fission(a)),
@@ -194,6 +201,8 @@ def summary_table(r: OptimizeResult) -> str:
                  "over eager's, timed here (median of interleaved pairs); "
                  f"{memory_kind(r)}")
     lines.append(f"step time: {time_text(r)}")
+    if r.loss_at:
+        lines.append(loss_text(r))
     measured = measured_text(r)
     if measured:
         lines.append(measured)

@@ -163,6 +163,9 @@ class OptimizeResult:
     # times plans' steps against eager's where the step runs here (`search.walltime`;
     # None: it cannot, Note [measured at the front door] in `search.measured_choice`)
     timer: Any = None
+    # training without loss_fn: where in the model's output the loss is
+    # (``out[1]`` of a ``(logits, loss)``), None where the model returns it
+    loss_at: str | None = None
     # id(plan) -> its `PairTiming` against eager's step, for every plan timed
     times: dict = field(default_factory=dict)
     # the plans `times` holds, kept alive so that no other plan takes one's id

@@ -20,14 +20,16 @@ between the canary's runs: in a cache filled while a test suite shared the two
 cores, the tiny MLP's 80 split `addmm_` were priced 81 ms where they take 46
 alone (the plan priced x1.59 of the unoptimized program, measured x0.91), and
 tiny BERT's 13 `bernoulli_` 134 ms where they take 94 (the program priced 287
-ms against 196 timed again, measured 248). A timing read from the file is
-therefore not trusted until this process has timed the op once more: on its
-first use here the op is timed again, and the lesser of the two is kept (and
-saved). Load only ever slows an op, so the lesser is the less disturbed; a
-timing taken while the canary says busy confirms nothing. Each process pays
-for one timing of the ops it prices (a few steps of the program, where a
-search prices hundreds of states); a timing taken in this process is
-confirmed already.
+ms against 196 timed again, measured 248). So one timing is not trusted for
+good: each process times an op read from the file once more on its first use
+there, and the cache keeps the last `SAMPLES` such timings of every op (one per
+process, each the least of its repetitions); the op's price is their median. The
+lesser of the timings is no better: keeping it, tiny ViT's split `bmm`s drifted
+to 30.2 ms a step where a fresh timing gives 64.6 and the step measures 52.0
+(the least of many runs is a lucky one, not the op). A timing taken while the
+canary says busy adds no sample. Each process pays for one timing of the ops
+it prices (a few steps of the program, where a search prices hundreds of
+states).
 
 New timings are written to the file at most every SAVE_EVERY seconds (and by
 `save`, which `optimize` calls at its end, and at exit): each write rewrites
@@ -55,6 +57,7 @@ from .cost import CostModel, RooflineCost, dtype_name, node_of
 from .profiles import get_profile
 
 SAVE_EVERY = 5.0      # seconds between writes of new timings from `op_cost`
+SAMPLES = 5           # timings kept per op, one per process (Note [a timing is confirmed ...])
 DIRTY: "weakref.WeakSet[MeasuredCost]" = weakref.WeakSet()
 # (cache file, signature) timed in this process (Note [a timing is confirmed once per process])
 CONFIRMED: set[tuple[str, str]] = set()
@@ -104,6 +107,25 @@ def _profile_for_gpu(name: str) -> str:
         if key in s:
             return prof
     return "a100"
+
+
+def _samples(v) -> list[float] | None:
+    """A cache file's entry as its timings (None: the op cannot run)."""
+    if v is None:
+        return None
+    if isinstance(v, (int, float)):
+        return [float(v)]
+    try:
+        return [float(x) for x in v] or None
+    except (TypeError, ValueError):
+        return None
+
+
+def _entry(samples: list[float] | None):
+    """Timings as a cache file's entry: one number, or the list of them."""
+    if samples is None:
+        return None
+    return samples[0] if len(samples) == 1 else list(samples)
 
 
 BUSY = 3.0         # canary slower than this many times its best: the CPU was shared
@@ -161,7 +183,13 @@ class MeasuredCost:
             raise ValueError(f"MeasuredCost: unsupported device {device!r}")
         self.path = _cache_dir(cache_dir) / f"costs-{_slug(torch.__version__)}-{_slug(tag)}.json"
         data = self._read()
-        self.table: dict[str, float | None] = dict(data.get("ops", {}))
+        # the timings of each op (Note [a timing is confirmed once per process]):
+        # the file's, then this process's; its price is their median
+        self.samples: dict[str, list[float] | None] = {
+            k: _samples(v) for k, v in data.get("ops", {}).items()}
+        self.table: dict[str, float | None] = {
+            k: None if v is None else statistics.median(v) for k, v in self.samples.items()}
+        self.fresh: dict[str, float | None] = {}    # this process's timing, not yet saved
         self.unsaved: set[str] = set()     # timed on a busy CPU (Note [timings taken on a busy CPU])
         self.canary_best: float | None = _canary_of(data)
         self._canary_args = None
@@ -193,18 +221,17 @@ class MeasuredCost:
             return {}
 
     def save(self) -> None:
-        """Merge this instance's table into the file (atomic replace), leaving out
-        the timings taken on a busy CPU; of two timings of one op, the lesser."""
+        """Merge this instance's new timings into the file (atomic replace), leaving
+        out those taken on a busy CPU: each op keeps its last `SAMPLES` timings."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         on_disk = self._read()
         merged = dict(on_disk.get("ops", {}))
-        for k, v in self.table.items():
+        for k, t in self.fresh.items():
             if k in self.unsaved:
                 continue
-            other = merged.get(k)
-            # another process may have saved a lesser timing meanwhile: the
-            # lesser is the less disturbed (Note [a timing is confirmed once per process])
-            merged[k] = min(v, other) if isinstance(v, float) and isinstance(other, (int, float)) else v
+            # another process may have added its timings meanwhile: ours after them
+            old = _samples(merged.get(k))
+            merged[k] = _entry(None if t is None else ((old or []) + [t])[-SAMPLES:])
         best = min(x for x in (_canary_of(on_disk), self.canary_best, float("inf")) if x)
         data = {"ops": dict(sorted(merged.items()))}
         if math.isfinite(best):
@@ -213,6 +240,7 @@ class MeasuredCost:
         with open(tmp, "w") as f:
             json.dump(data, f, indent=0)
         os.replace(tmp, self.path)
+        self.fresh.clear()
         self._saved_at = time.perf_counter()
         DIRTY.discard(self)
 
@@ -345,24 +373,29 @@ class MeasuredCost:
             self.unsaved.add(key)
         else:
             CONFIRMED.add((str(self.path), key))
+            self.fresh[key] = t
+        self.samples[key] = None if t is None else [t]
         self.table[key] = t
         return t
 
     def _confirm(self, key: str, graph: Graph, n: Node) -> bool:
-        """A timing read from the file, timed once more: the lesser kept. Whether
-        the table changed (Note [a timing is confirmed once per process])."""
-        old = self.table[key]
+        """An op read from the file, timed once more in this process: its price
+        becomes the median of its timings. Whether a timing was taken (Note [a
+        timing is confirmed once per process])."""
+        old = self.samples.get(key)
         if old is None:                        # unrunnable: nothing to confirm
             CONFIRMED.add((str(self.path), key))
             return False
         busy = not self.cuda and self.busy()
         t = self.time_op(graph, n)
         if not self.cuda and (self.busy() or busy):
-            return False                       # confirms nothing: asked again on the next use
+            return False                       # adds no sample: asked again on the next use
         CONFIRMED.add((str(self.path), key))
-        if t is None or t >= old:
+        if t is None:
             return False
-        self.table[key] = t
+        got = self.samples[key] = (old + [t])[-SAMPLES:]
+        self.table[key] = statistics.median(got)
+        self.fresh[key] = t
         return True
 
     def _known(self, key: str) -> bool:
