@@ -104,8 +104,7 @@ class CallSpec:
             return self
         names = [p.name for p in sig.parameters.values()
                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        n_args = len(pytree.tree_unflatten(list(range(len(self.tensor_at) + len(self.consts))),
-                                           self.spec)[0])
+        n_args = len(self._leaf_positions()[0])
         own = n_args - 1 if target else n_args
         params = tuple(names[i] if i < len(names) else f"arg{i}" for i in range(own))
         self.params = params + (("target",) if target else ())

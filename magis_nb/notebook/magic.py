@@ -114,9 +114,10 @@ class MagisMagics(Magics):
         if progress is not None:
             progress.close()
         missed = not result.met and not result.interrupted and result.budget_kind is not None
+        why = (measured_infeasible_message(result) if result.fits
+               else infeasible_message(result)) if missed else ""
         if missed and args.strict:
-            raise UsageError((measured_infeasible_message(result) if result.fits
-                              else infeasible_message(result)) + " Nothing was bound.")
+            raise UsageError(why + " Nothing was bound.")
         session = Session(ns, name, found.model_name, result)
         session.bind()
         self.sessions[name] = session
@@ -125,9 +126,7 @@ class MagisMagics(Magics):
             # Note [a missed budget in a notebook]: a search bounded by seconds can
             # miss by a hair on a loaded machine (0.503 against --mem 0.5); the best
             # plan found is bound and said plainly, the slider moves on from it
-            print((measured_infeasible_message(result) if result.fits
-                   else infeasible_message(result))
-                  + f" Bound the best plan found to {name} (--strict: an error instead).")
+            print(why + f" Bound the best plan found to {name} (--strict: an error instead).")
         if not args.quiet:
             self._report(session, args.plot)
 
