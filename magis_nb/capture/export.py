@@ -21,7 +21,7 @@ from .batch import CallSpec, split_call
 from .checkpoint import marked_checkpoints, region_tags
 from .outputs import find_loss, flatten, locate_loss
 from .specialize import RandomBranchError, is_data_dependent, record_scalars, replay_scalars
-from .upstream import fixed_decompositions
+from .upstream import fixed_decompositions, replayed_as_recorded
 
 TORCH_DIR = os.path.dirname(torch.__file__)
 PKG_DIR = os.path.dirname(os.path.dirname(__file__))
@@ -374,7 +374,8 @@ def capture(model: nn.Module, inputs, *, loss_fn: Callable | None = None,
     def export():
         # each attempt from the model as the user left it: Note [a trace leaves
         # the modules as they were]
-        with replaying(), _tracing_flag(), fixed_decompositions(), _kept_python_state(model):
+        with replaying(), _tracing_flag(), fixed_decompositions(), replayed_as_recorded(), \
+                _kept_python_state(model):
             if mode == "infer":
                 with torch.no_grad():
                     return aot_export_module(step, list(tensors), trace_joint=False)

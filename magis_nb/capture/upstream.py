@@ -27,6 +27,23 @@ The backward of MSE, smooth L1 and Huber losses likewise: ATen allocates the
 input gradient ``zeros_like(input, LEGACY_CONTIGUOUS_MEMORY_FORMAT)``, the
 decompositions return the input's layout (PatchTST's loss on a transposed
 prediction).
+
+Note [the joint replayed under autocast]
+``aot_export_module(trace_joint=True)`` traces the step twice: once into a joint
+graph (``_aot_export_function``), then ``make_fx`` of a wrapper that calls that
+graph, to drop its tangents. The caller's ``torch.autocast`` is still on for
+the second trace, so autocast casts the recorded ATen ops again, and those ops
+already hold the first trace's casts. Ops that autocast had left in fp32 on
+purpose get cast down. On the CPU, SDPA with dropout runs its MATH fallback
+(``_fused_sdp_choice`` gives MATH for any ``dropout_p > 0``). That fallback
+upcasts q, k and v to fp32 under autocast's exclusion, and the replay runs its
+``bmm`` in bf16. With a float mask (every Hugging Face padding mask) the
+softmax gradient then arrives in bf16 against an fp32 output:
+"expected scalar type Float but found BFloat16" (GPT-2 under CPU bf16
+autocast). Without a mask (``is_causal``) nothing failed, but the attention
+scores were computed in bf16 where eager computes them in fp32. While a
+capture runs, the joint graph is replayed with autocast off: the second trace
+records what the first one did.
 """
 from __future__ import annotations
 
@@ -121,3 +138,44 @@ def fixed_decompositions():
     finally:
         for k, f in origs.items():
             setattr(dec, k, f)
+
+
+def _autocast_off(gm):
+    forward = gm.forward
+
+    def replay(*args, **kwargs):
+        with contextlib.ExitStack() as stack:
+            for dev in ("cpu", "cuda"):
+                if torch.is_autocast_enabled(dev):
+                    stack.enter_context(torch.autocast(dev, enabled=False))
+            return forward(*args, **kwargs)
+    return replay
+
+
+@contextlib.contextmanager
+def replayed_as_recorded():
+    """Note [the joint replayed under autocast]: while active, the joint graph
+    that ``aot_export_module`` traces a second time runs with autocast off."""
+    try:
+        import torch._functorch.aot_autograd as aa
+        orig = aa._aot_export_function
+    except (ImportError, AttributeError):
+        yield
+        return
+    patched = []
+
+    def export(*args, **kwargs):
+        out = orig(*args, **kwargs)
+        # only the joint is replayed; without it the graph is the result itself
+        if kwargs.get("trace_joint") and isinstance(out[0], torch.fx.GraphModule):
+            out[0].forward = _autocast_off(out[0])
+            patched.append(out[0])
+        return out
+
+    aa._aot_export_function = export
+    try:
+        yield
+    finally:
+        aa._aot_export_function = orig
+        for gm in patched:      # the first graph is kept (checkpoint's Marks.first)
+            del gm.forward
