@@ -30,6 +30,7 @@ BENCH_MODELS = ["gpt2", "torch-transformer", "torch-lstm", "torch-checkpoint"]
 
 def test_registry():
     assert len(cm.MODELS) >= 32
+    assert set(cm.TRAINING) <= set(cm.MODELS)
     fams = {f for f, _ in cm.MODELS.values()}
     assert fams == set(cm.FAMILIES)
     for fam in cm.FAMILIES:
@@ -47,8 +48,10 @@ def _step(name: str):
     assert case.model.training
     if case.kind == "dict":
         assert isinstance(case.inputs, dict) and case.loss_fn is None
-        assert all(isinstance(v, torch.Tensor) for v in case.inputs.values())
-        assert "labels" in case.inputs
+        assert all(isinstance(v, (torch.Tensor, bool)) for v in case.inputs.values())
+        assert "labels" in case.inputs or case.inputs.get("return_loss") is True
+    elif case.kind == "call":
+        assert isinstance(case.inputs, tuple) and case.loss_fn is None
     else:
         assert case.kind == "tuple" and isinstance(case.inputs, tuple) and callable(case.loss_fn)
     loss = cm.eager_loss(case)

@@ -14,6 +14,8 @@ Calling conventions, as users write them:
   and compute their own loss: ``model(**batch).loss``; ``loss_fn`` is None.
 - ``kind == "tuple"``: plain PyTorch models get ``(inputs..., target)`` and a
   ``loss_fn(output, target)``, magis_nb's own convention.
+- ``kind == "call"``: the model's arguments; its output holds the loss (the
+  models of `corpus_training`, merged into `MODELS`).
 
 Text batches pad the last sample's last 4 tokens (``attention_mask`` 0, label
 -100), as a collator does. Configs keep their default dropout (and drop-path
@@ -37,14 +39,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
-__all__ = ["CorpusCase", "MODELS", "FAMILIES", "LM_FAMILIES", "names", "build", "eager_loss"]
+__all__ = ["CorpusCase", "MODELS", "TRAINING", "FAMILIES", "LM_FAMILIES", "names", "build", "eager_loss"]
 
 BATCH, SEQ, VOCAB = 8, 64, 128
 PAD_LAST = 4            # the last sample's last tokens are padding
 D, FFN, HEADS, KV_HEADS, LAYERS = 64, 128, 4, 2, 2
 IMG_VIT, IMG_CNN, LABELS = 32, 64, 10
 
-FAMILIES = ("decoder", "encoder", "enc-dec", "vision", "cnn", "torch")
+FAMILIES = ("decoder", "encoder", "enc-dec", "vision", "cnn", "torch", "audio")
 LM_FAMILIES = ("decoder", "encoder", "enc-dec")   # "LMs" in the bench summary
 
 
@@ -53,9 +55,10 @@ class CorpusCase:
     name: str
     family: str
     model: nn.Module
-    inputs: Any                  # a dict batch ("dict") or (inputs..., target) ("tuple")
+    inputs: Any                  # a dict batch ("dict"), (inputs..., target) ("tuple"),
+                                 # or the model's arguments ("call")
     loss_fn: Callable | None     # None: the model computes its own loss
-    kind: str                    # "dict" | "tuple"
+    kind: str                    # "dict" | "tuple" | "call" (see corpus_training)
     description: str = ""
 
 
@@ -446,6 +449,10 @@ for _n, (_cls, _cfg, _size, _d, _kw) in CNNS.items():
     MODELS[_n] = ("cnn", _image(_n, "cnn", _cls, _cfg, _size, _d, **_kw))
 for _n, (_make, _d) in TORCH.items():
     MODELS[_n] = ("torch", _torch(_n, _make, _d))
+# last: corpus_training builds on the names above (this module is half-imported then)
+from .corpus_training import TRAINING  # noqa: E402
+
+MODELS.update(TRAINING)
 
 
 def names(family: str | None = None) -> list[str]:
@@ -467,12 +474,12 @@ def build(name: str, seed: int = 0) -> CorpusCase:
 
 
 def eager_loss(case: CorpusCase, backward: bool = True) -> torch.Tensor:
-    """One eager training step the way a user writes it: the loss (and .grad)."""
-    if case.kind == "dict":
-        loss = case.model(**case.inputs).loss
-    else:
-        *xs, target = case.inputs
-        loss = case.loss_fn(case.model(*xs), target)
+    """One eager training step the way a user writes it: the loss (and .grad):
+    ``model(**batch).loss``, ``loss_fn(model(*xs), target)`` or the loss the
+    model's output holds (capture's own calling convention)."""
+    from ..capture.export import call_step
+
+    loss = call_step(case.model, case.inputs, case.loss_fn)
     if backward:
         loss.backward()
     return loss.detach()
