@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -19,12 +17,12 @@ import torch.nn as nn
 
 from .batch import CallSpec, split_call
 from .checkpoint import marked_checkpoints, region_tags
+from .ctc import traceable_ctc
+from .host_random import refusal, watched
+from .messages import explain, user_frame
 from .outputs import find_loss, flatten, locate_loss
 from .specialize import RandomBranchError, is_data_dependent, record_scalars, replay_scalars
 from .upstream import fixed_decompositions, replayed_as_recorded
-
-TORCH_DIR = os.path.dirname(torch.__file__)
-PKG_DIR = os.path.dirname(os.path.dirname(__file__))
 
 
 class CaptureError(ValueError):
@@ -196,57 +194,6 @@ def eager_step(model: nn.Module, inputs, loss_fn: Callable | None = None,
     return loss.detach()
 
 
-def _user_frame(exc: BaseException) -> str | None:
-    """The innermost traceback line outside torch and magis_nb: the user's code,
-    or the library (``transformers``) the user's model comes from."""
-    best = None
-    tb = exc
-    while tb is not None:               # the chain: the export re-raises fake-tensor errors
-        for fs in traceback.extract_tb(tb.__traceback__):
-            f = os.path.abspath(fs.filename)
-            if f.startswith(TORCH_DIR) or f.startswith(PKG_DIR):
-                continue
-            best = f"{fs.filename}:{fs.lineno}: {fs.line or ''}".rstrip()
-        if best is not None:
-            break
-        tb = tb.__cause__ or tb.__context__
-    return best
-
-
-def _explain(exc: BaseException) -> str:
-    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    name = type(exc).__name__
-    text = str(exc)
-    if isinstance(exc, RandomBranchError):
-        return str(exc)
-    if is_data_dependent(exc):
-        return ("forward() has Python control flow that depends on tensor values "
-                "(an `if`/`while` on a tensor, .item(), .tolist()) that could not be "
-                "specialized on the example inputs; make it shape-only (torch.where) "
-                f"or move it out of forward() ({name}: {msg})")
-    if "DynamicOutputShape" in name or "dynamic output shape" in text.lower():
-        return ("forward() makes a tensor whose shape depends on tensor values "
-                "(nonzero, boolean-mask indexing x[mask], unique, masked_select); a plan "
-                "needs every shape known before the step runs: compute with the mask "
-                "instead (torch.where, multiplying by it) or move it out of forward() "
-                f"({name}: {msg})")
-    if "requires gradients, and received a mutation" in text:
-        return ("forward() writes into a trainable parameter in place (nn.Embedding("
-                "max_norm=...) renormalizes the rows it looks up; or a weight updated "
-                "under torch.no_grad()): a planned step cannot write its own parameters; "
-                "make that update outside the step (for Embedding: drop max_norm, or "
-                "call torch.embedding_renorm_ on the weight before each step) "
-                f"({name}: {msg})")
-    if "does not require gradients" in text:
-        return ("the loss does not depend on any trainable parameter: nothing to train "
-                "(use mode='infer' for a forward pass)")
-    if isinstance(exc, (RuntimeError, IndexError)) and (
-            "shape" in text or "size" in text or "dim" in text or "mat" in text
-            or "expected" in text.lower() or "out of range" in text):
-        return f"the example inputs do not fit the model: {msg}"
-    return f"tracing the model failed ({name}: {msg})"
-
-
 def _call_spec(inputs, loss_fn, mode: str) -> tuple[CallSpec, list[torch.Tensor]]:
     """The call's structure and its tensors; a CaptureError for what can't be a step."""
     try:
@@ -390,6 +337,10 @@ def capture(model: nn.Module, inputs, *, loss_fn: Callable | None = None,
     # Note [the user's checkpoint regions]: around every attempt, and around
     # _unused_params' trace (a reentrant checkpoint's backward refuses autograd.grad)
     marks = frozen.enter_context(marked_checkpoints())
+    # Note [CTC with fixed shapes]: the eager recording pass too, so that both
+    # read the same scalars in the same order
+    frozen.enter_context(traceable_ctc())
+    draws = frozen.enter_context(watched())     # Note [a draw the trace cannot see]
     try:
         # At most two retries: once with the parameters that get no gradient frozen,
         # once specialized on the example's values (Note [specialized scalars]).
@@ -412,13 +363,22 @@ def capture(model: nn.Module, inputs, *, loss_fn: Callable | None = None,
                                          model, grad=mode == "train")
                 if not scalars:
                     raise
-    except CaptureError:
+    except CaptureError as e:
+        _refuse_draws(model, draws, e, str(e))
         raise
     except Exception as e:  # noqa: BLE001 - every trace failure becomes a CaptureError
-        raise CaptureError(_explain(e), _user_frame(e)) from e
+        own = mode == "train" and loss_fn is None
+        keys = list(split_call(inputs)[1])
+        # a RandomBranchError names its own lines; the traceback's is the read
+        # that set off the recording pass, not the branch
+        line = None if isinstance(e, RandomBranchError) else user_frame(e)
+        err = CaptureError(explain(e, own_loss=own, keys=keys), line)
+        _refuse_draws(model, draws, e, str(err) if line or isinstance(e, RandomBranchError) else None)
+        raise err from e
     finally:
         fake_log.setLevel(old_level)
         frozen.close()
+    _refuse_draws(model, draws)
 
     checkpoint, checkpoint_bwd, reentrant = region_tags(gm, marks)
     _refuse_sparse(gm)
@@ -448,6 +408,24 @@ def capture(model: nn.Module, inputs, *, loss_fn: Callable | None = None,
         input_storage=[int(t.untyped_storage().nbytes()) for t in real],
         checkpoint=checkpoint, checkpoint_backward=checkpoint_bwd,
         checkpoint_reentrant=reentrant, loss_at=step.loss_at)
+
+
+def _refuse_draws(model: nn.Module, draws, cause: BaseException | None = None,
+                  also: str | None = None) -> None:
+    """Note [a draw the trace cannot see]: a capture that drew outside torch is
+    refused, whether the trace went on or failed: the failure may be the draw's
+    doing (SpecAugment's time mask fails in the backward, with no line to name).
+    ``also``: a failure of its own (it names a line, or a random branch), said
+    after the draw."""
+    text = refusal(model, draws)
+    if text is None:
+        return
+    if not also:
+        raise CaptureError(text, draws.path) from cause
+    # the draw's line first: the failure's message ends with its own
+    err = CaptureError(f"{text}\n  at {draws.path}\nThe trace also failed: {also}")
+    err.source_line = draws.path
+    raise err from cause
 
 
 def _refuse_scripted(model: nn.Module) -> None:

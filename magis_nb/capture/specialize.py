@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..snapshot import ModelSnapshot
+from .switches import config_switches, module_switches, outside, user_frames
 
 aten = torch.ops.aten
 SCALAR_OPS = (aten._local_scalar_dense.default, aten.item.default)
@@ -60,15 +61,11 @@ _lib.impl("expect_scalar", _expect, "CompositeExplicitAutograd")
 _lib.impl("expect_scalar", _expect_meta, "Meta")
 EXPECT = torch.ops.magis_nb.expect_scalar.default
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_PKG_DIR = os.path.dirname(os.path.dirname(__file__))
-
 
 def _caller() -> str:
     """The innermost frame outside torch and magis_nb: the line that read the value."""
     for fs in reversed(traceback.extract_stack()):
-        f = os.path.abspath(fs.filename)
-        if not (f.startswith(_TORCH_DIR) or f.startswith(_PKG_DIR)):
+        if outside(fs.filename):
             return f"{os.path.basename(fs.filename)}:{fs.lineno} ({(fs.line or '').strip()})"
     return "forward()"
 
@@ -100,6 +97,7 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.values: list = []
         self.random: list[tuple[str, str]] = []    # (where, random op) of a random branch
+        self.frames: list[tuple] = []              # `user_frames` of the first random branch
         # id(tensor) -> (a weak reference to it, the random op it comes from)
         self._drawn: dict[int, tuple[weakref.ref, str]] = {}
 
@@ -118,6 +116,8 @@ class _Recorder(TorchDispatchMode):
             self.values.append((out, where))
             if source is not None:
                 self.random.append((where, source))
+                if not self.frames:
+                    self.frames = user_frames()
         elif source is not None:
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
@@ -125,21 +125,12 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-def _switches(model: torch.nn.Module) -> list[str]:
-    """Module attributes that turn a random branch off (HF's ``layerdrop``, which
-    each encoder and decoder copies from its config when it is built), set above 0."""
-    out = []
-    for name, mod in model.named_modules():
-        for k, v in vars(mod).items():
-            if "layerdrop" in k.lower() and isinstance(v, (int, float)) \
-                    and not isinstance(v, bool) and v > 0:
-                out.append(f"model.{name + '.' if name else ''}{k} = 0.0 (now {v})")
-    return out
-
-
-def _random_branch(model: torch.nn.Module, random: list[tuple[str, str]]) -> RandomBranchError:
+def _random_branch(model: torch.nn.Module, random: list[tuple[str, str]],
+                   frames: list[tuple]) -> RandomBranchError:
     where, op = random[0]
-    switch = _switches(model)
+    # the module attributes (Bart's copies of its config's layerdrop), else the
+    # config entries read where it branches (Wav2Vec2 reads config.layerdrop)
+    switch = module_switches(model) or config_switches(model, frames)
     how = (f"set {' and '.join(switch)} before optimizing" if switch else
            "turn that draw off for training (for an HF model with layerdrop: "
            "layerdrop=0.0 in its config)")
@@ -168,7 +159,7 @@ def record_scalars(run: Callable[[], object], model: torch.nn.Module, grad: bool
     finally:
         buffers.restore()
     if rec.random:
-        raise _random_branch(model, rec.random)
+        raise _random_branch(model, rec.random, rec.frames)
     return rec.values
 
 
