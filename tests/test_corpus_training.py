@@ -25,8 +25,10 @@ def test_random_steps_train_as_eager_over_a_loop(name, one_thread):
                             time_budget=5, max_states=8, device_profile="cpu")
     assert res.plan.applied != "re-order only" or res.met, res.plan.applied
     mod = res.module
-    opt = torch.optim.AdamW(case.model.parameters(), lr=1e-3)
-    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-3)
+    # SGD, not Adam: a gradient zero in exact arithmetic (attention's key bias) is
+    # rounding noise on both sides, which Adam scales up to a full step of either sign
+    opt = torch.optim.SGD(case.model.parameters(), lr=1e-3)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=1e-3)
     for k in range(STEPS):                       # a new draw every step, the same on both sides
         torch.manual_seed(100 + k)
         opt.zero_grad(set_to_none=True)
@@ -39,7 +41,7 @@ def test_random_steps_train_as_eager_over_a_loop(name, one_thread):
         want.backward()
         opt_e.step()
         torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-4, atol=1e-5,
-                                   msg=f"{name}: step {k}")
+                                   msg=lambda m: f"{name}: step {k}: {m}")
     for (n, p), q in zip(case.model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=f"{name}: {n}")
 
