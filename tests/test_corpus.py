@@ -109,8 +109,10 @@ def test_bench_fast(tmp_path, capsys):
     assert [r["model"] for r in rows] == BENCH_MODELS
     for r in rows:
         for key in ("model", "family", "captured", "plans_checked", "allclose", "sim_peak",
-                    "measured_peak", "mem_ratio", "lat_ratio", "error", "seconds"):
+                    "measured_peak", "mem_ratio", "lat_ratio", "error", "seconds", "memory"):
             assert key in r, (r["model"], key)
+        # planned for this CPU: no swaps, so the ratio is the process's memory
+        assert r["memory"] == "process" and r["host_bytes"] == 0, r
         assert r["error"] is None, (r["model"], r["error"])
         assert r["captured"] is True and r["plans_checked"] >= 1
         assert r["allclose"] is True, (r["model"], r["checks"])

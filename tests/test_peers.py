@@ -344,3 +344,38 @@ def test_magis_candidates_build_their_module_at_the_first_step_and_release_it():
         assert c.extra["host_bytes"] == sum(t.numel() * t.element_size() for t in pools)
         result.drop_module(plan)
     assert result.built == 0
+
+
+def test_gpu_stand_in_plans_are_kept_apart_from_the_comparison():
+    """magis-gpu's peak is a GPU's memory on a stand-in (its swapped bytes live in
+    host buffers): neither a peer point to beat nor a point of magis_nb's front."""
+    rows = [Result("m", "eager", "", peak=100, time=1.0, time_ratio=1.0),
+            Result("m", "magis", "plan 1/1", peak=60, time=1.0, time_ratio=1.0),
+            Result("m", "magis-gpu", "plan 1/1", peak=10, time=0.5, time_ratio=0.5)]
+    add_ratios(rows)
+    acc = peers.check(rows, 0.02)["m"]
+    assert acc["peer_points"] == 1 and acc["dominates"] is True
+    assert acc["best_peak_ratio_within_10pct"] == 0.6
+    assert "(device)" in peers._show(rows[2])["peak_MiB"] and "(device)" not in peers._show(rows[1])["peak_MiB"]
+
+
+@pytest.mark.parametrize("strategy, swap", [("magis", False), ("magis+inductor", False),
+                                            ("magis-gpu", True)])
+def test_cpu_plans_do_not_swap(strategy, swap, monkeypatch):
+    import magis_nb.search as search
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake(*args, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(search, "optimize", fake)
+    (_, make), = S.strategies(backend="aot_eager")[strategy]
+    case = type("Case", (), {"model": None, "inputs": (), "loss_fn": None})()
+    with pytest.raises(Stop):
+        make(case)
+    assert seen["swap"] is swap

@@ -15,10 +15,11 @@ user saw (the exception's text, prefixed by its class for magis_nb's own errors)
 
 Row keys: model, family, budget, captured, plans_checked, allclose, sim_peak,
 measured_peak and eager_peak (bytes; the chosen plan's and eager's), mem_ratio
-(measured / eager measured: device memory, with the CPU standing in for the
-device and swapped bytes in host buffers not counted), host_bytes (those
-buffers) and process_ratio ((measured + host_bytes) / eager: the process's
-memory, which is what a CPU run saves), lat_ratio (simulated, chosen plan / unoptimized),
+(measured / eager measured: the process's memory, the plans made for this CPU
+without swaps; with --swap, plans for a GPU: device memory with the CPU standing
+in for the device and swapped bytes in host buffers not counted), memory (which
+of the two), host_bytes (those buffers) and process_ratio ((measured +
+host_bytes) / eager: the process's memory, which is what a CPU run saves), lat_ratio (simulated, chosen plan / unoptimized),
 sim_err (|measured - simulated| / simulated), met, applied, states, checks (one
 entry per plan run), error, error_type, stage (where it failed) and seconds.
 
@@ -86,7 +87,8 @@ def _plans_to_check(res) -> list[tuple[str, object]]:
     return out
 
 
-def budget_row(case, kind: str, budget: float, *, time_budget: float, max_states, ref_box: list) -> dict:
+def budget_row(case, kind: str, budget: float, *, time_budget: float, max_states, ref_box: list,
+               swap: bool = False) -> dict:
     """optimize at one budget, then the plans against eager. ``ref_box`` holds the
     `Reference` (built once per model, on first need)."""
     from ..search import optimize
@@ -113,10 +115,11 @@ def budget_row(case, kind: str, budget: float, *, time_budget: float, max_states
         kw["verify"] = False          # the bench checks the plans itself, below
     if max_states:
         kw["max_states"] = max_states
-    # swaps allowed: a row's mem_ratio is the device stand-in's, process_ratio the
-    # process's with the swapped bytes' host buffers (Note [which memory] in
-    # search.report); a CPU plan made without a GPU in mind would not swap
-    kw["swap"] = True
+    # Note [which memory] in search.report: planned for this CPU (no swaps) a row's
+    # mem_ratio is the process's; with --swap the plans are a GPU's and mem_ratio
+    # is the device stand-in's (process_ratio adds the swapped bytes' host buffers)
+    kw["swap"] = swap
+    row["memory"] = "device (stand-in)" if swap else "process"
     try:
         try:
             res = optimize(case.model, case.inputs, loss_fn=case.loss_fn, time_budget=time_budget, **kw)
@@ -172,7 +175,7 @@ def budget_row(case, kind: str, budget: float, *, time_budget: float, max_states
         row["seconds"] = round(time.perf_counter() - t0, 2)
 
 
-def model_rows(name: str, *, fast: bool, time_budget: float, max_states) -> list[dict]:
+def model_rows(name: str, *, fast: bool, time_budget: float, max_states, swap: bool = False) -> list[dict]:
     from . import corpus_models
 
     t0 = time.perf_counter()
@@ -185,7 +188,8 @@ def model_rows(name: str, *, fast: bool, time_budget: float, max_states) -> list
                        "plans_checked": 0, "allclose": None, "seconds": round(time.perf_counter() - t0, 2)},
                       "build", e) for k, b in budgets]
     ref_box: list = []
-    return [budget_row(case, k, b, time_budget=time_budget, max_states=max_states, ref_box=ref_box)
+    return [budget_row(case, k, b, time_budget=time_budget, max_states=max_states, ref_box=ref_box,
+                       swap=swap)
             for k, b in budgets]
 
 
@@ -200,11 +204,13 @@ def _lost_row(name: str, budget: str, error: str, error_type: str, seconds: floa
 
 
 def run_isolated(name: str, *, fast: bool, time_budget: float, max_states, timeout: float,
-                 threads: int) -> list[dict]:
+                 threads: int, swap: bool = False) -> list[dict]:
     """``model_rows`` in a child process: a crash or a timeout is a row."""
     args = ["--one", name, "--time-budget", str(time_budget), "--threads", str(threads)]
     if fast:
         args.append("--fast")
+    if swap:
+        args.append("--swap")
     if max_states:
         args += ["--max-states", str(max_states)]
     budgets = ["mem:0.5"] + ([] if fast else ["lat:1.1"])
@@ -279,11 +285,12 @@ def markdown(rows: list[dict]) -> str:
                 "" if f["worst_sim_err"] is None else f"{100 * f['worst_sim_err']:.2f}%")
                for f in families(rows)])
     per = tab(["model", "family", "budget", "allclose", "plans checked", "measured MiB",
-               "sim MiB", "mem ratio (device)", "process ratio", "sim lat ratio", "applied",
+               "sim MiB", "mem ratio", "memory", "process ratio", "sim lat ratio", "applied",
                "error"],
               [(r["model"], r.get("family"), r.get("budget"), r.get("allclose"),
                 r.get("plans_checked"), _mib(r.get("measured_peak")), _mib(r.get("sim_peak")),
-                r.get("mem_ratio"), r.get("process_ratio"), r.get("lat_ratio"),
+                r.get("mem_ratio"), r.get("memory", "device (stand-in)"), r.get("process_ratio"),
+                r.get("lat_ratio"),
                 r.get("applied") or "",
                 _short(r.get("error"), 120)) for r in rows])
     return fam + "\n\n" + per + "\n"
@@ -321,6 +328,9 @@ def main(argv) -> int:
     p.add_argument("--strict", action="store_true",
                    help="exit 1 when a row has an error or a plan is not allclose")
     p.add_argument("--markdown", metavar="PATH", help="also write the tables as Markdown")
+    p.add_argument("--swap", action="store_true",
+                   help="plan for a GPU (swaps allowed): mem ratio is then device memory with "
+                        "the CPU standing in, not the process's")
     p.add_argument("--one", help=argparse.SUPPRESS, default=None)   # the child process
     a = p.parse_args(argv)
     time_budget = a.time_budget if a.time_budget is not None else (FAST_TIME if a.fast else 30.0)
@@ -329,7 +339,8 @@ def main(argv) -> int:
         fixed_threads(a.threads)
         import warnings
         warnings.filterwarnings("ignore")
-        rows = model_rows(a.one, fast=a.fast, time_budget=time_budget, max_states=max_states)
+        rows = model_rows(a.one, fast=a.fast, time_budget=time_budget, max_states=max_states,
+                          swap=a.swap)
         send_result(rows)
         return 0
     names = a.models.split(",") if a.models else corpus_models.names()
@@ -340,7 +351,7 @@ def main(argv) -> int:
     rows = []
     for name in names:
         got = run_isolated(name, fast=a.fast, time_budget=time_budget, max_states=max_states,
-                           timeout=timeout, threads=a.threads)
+                           timeout=timeout, threads=a.threads, swap=a.swap)
         rows += got
         for r in got:
             print(f"{r['model']:18s} {r.get('budget', ''):8s} captured={r.get('captured')} "

@@ -4,7 +4,11 @@ Strategies (magis_nb/bench/peers_strategies.py): eager PyTorch;
 torch.utils.checkpoint (non-reentrant) around each block; torch.compile
 (inductor) with activation_memory_budget 1.0, 0.5, 0.2, 0.0; Rockmate from
 PyPI (if it imports); magis_nb.optimize, a spread of its Pareto front, run as
-generated (magis) and compiled by inductor (magis+inductor). Each
+generated (magis) and compiled by inductor (magis+inductor), planned for this
+CPU (no swaps: every peak is process memory). magis-gpu plans for a GPU (with
+swaps) and measures them on the CPU standing in for it: their peak is device
+memory with the swapped bytes in host buffers apart (host MiB), so they are
+shown in their own rows, labelled, and left out of the comparison and plots. Each
 strategy runs in its own fresh process with 2 threads and is measured the same
 way (magis_nb/bench/peers_harness.py): peak by torch.profiler memory events,
 median time of --reps steps after 2 warm-ups, loss and gradients allclose to
@@ -19,8 +23,9 @@ from .common import fixed_threads, parser, run_child, send_result, table, write_
 from .peers_harness import Reference, Result, add_ratios, dominated, measure, pareto
 
 MODELS = ("unet", "gpt", "vit", "bert")
-PEERS = ("eager", "checkpoint", "compile", "rockmate", "magis", "magis+inductor")
+PEERS = ("eager", "checkpoint", "compile", "rockmate", "magis", "magis+inductor", "magis-gpu")
 OURS = ("magis", "magis+inductor")  # their points together are magis_nb's front
+STAND_IN = ("magis-gpu",)           # device memory on a stand-in: not compared
 
 
 def _fmt(v, nd=3):
@@ -61,7 +66,7 @@ def check(results: list[Result], tol: float) -> dict:
     for m in sorted({r.model for r in results}):
         rows = [r for r in results if r.model == m and r.peak and r.time_ratio]
         front = pareto([(r.peak, r.time_ratio) for r in rows if r.strategy in OURS])
-        peers = [r for r in rows if r.strategy not in OURS]
+        peers = [r for r in rows if r.strategy not in OURS + STAND_IN]
         beaten = [r for r in peers if dominated((r.peak, r.time_ratio), front, tol)]
         ok10 = [r.peak_ratio for r in rows if r.strategy in OURS and r.time_ratio is not None
                 and r.peak_ratio is not None and r.time_ratio <= 1.10]
@@ -142,7 +147,7 @@ def main(argv) -> int:
 
 
 def markdown(results: list[Result]) -> str:
-    head = ("| model | strategy | setting | peak MiB | peak / eager | time / eager (q1-q3) | step s | "
+    head = ("| model | strategy | setting | peak MiB (process; magis-gpu: device stand-in) | peak / eager | time / eager (q1-q3) | step s | "
             "allclose (max abs err) | solve / compile s | tracker MiB | host MiB | applied / note |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in results:
@@ -150,7 +155,7 @@ def markdown(results: list[Result]) -> str:
             lines.append(f"| {r.model} | {r.strategy} | {r.setting} | did not run: {r.error} "
                          "| | | | | | | | |")
             continue
-        prep = {"magis": r.prep_s, "compile": round(r.first_step_s, 1),
+        prep = {"magis": r.prep_s, "magis-gpu": r.prep_s, "compile": round(r.first_step_s, 1),
                 "magis+inductor": f"{r.prep_s} + {r.first_step_s:.1f}"}.get(r.strategy, "")
         host = r.extra.get("host_bytes")
         bufs = "; BatchNorm stats differ" if r.buffers_close is False else ""
@@ -173,6 +178,8 @@ def _show(r: Result) -> dict:
     d = r.row()
     d["time_q"] = _spread(r).strip(" ()")
     d["peak_MiB"] = _fmt(r.peak / 2**20, 1) if r.peak else ""
+    if r.peak and r.strategy in STAND_IN:
+        d["peak_MiB"] += " (device)"
     d["time_s"] = _fmt(r.time, 3)
     d["first_step_s"] = _fmt(r.first_step_s, 1)
     d["max_err"] = "" if r.max_err is None else f"{r.max_err:.1e}"

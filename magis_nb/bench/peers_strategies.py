@@ -144,11 +144,15 @@ def spread(plans: list, k: int, key=lambda p: p.peak) -> list:
     return [uniq[j] for j in sorted(chosen)]
 
 
-def magis(time_budget: float, points: int, lat_budget: float = 1.10, backend: str | None = None):
+def magis(time_budget: float, points: int, lat_budget: float = 1.10, backend: str | None = None,
+          swap: bool = False):
     """One search (lowest peak within ``lat_budget``), then up to ``points`` plans
     of its Pareto front, each a candidate (its search time is every one's prep_s).
     ``backend``: compile each plan's program with it (`peers_compile.compile_plan`;
-    the first step compiles, as for torch.compile), from a search without fission."""
+    the first step compiles, as for torch.compile), from a search without fission.
+    ``swap``: plans for a GPU, whose swapped bytes live in host buffers; on the CPU
+    those stay in the process, so their peak is a GPU's memory on a stand-in, not
+    comparable with the peers' process memory (`bench peers` keeps them apart)."""
 
     def make(case) -> list[Candidate]:
         from ..search import optimize
@@ -162,11 +166,10 @@ def magis(time_budget: float, points: int, lat_budget: float = 1.10, backend: st
         # Compiled plans keep every region whole: inductor re-plans a split
         # program's buffers across its parts (tiny GPT split in 8: 228 MB compiled
         # against 50 MB as generated, see `optimize(fission=...)`).
-        # swap=True: the plans are a GPU's, measured here on a stand-in (their
-        # host buffers are reported apart, as host_bytes); a CPU plan would not
-        # swap (Note [which memory] in search.report)
+        # Note [which memory] in search.report: without swaps a plan's peak is the
+        # process's, as every peer's is
         res = optimize(case.model, case.inputs, loss_fn=case.loss_fn, lat_budget=lat_budget,
-                       time_budget=time_budget, fission=backend is None, swap=True)
+                       time_budget=time_budget, fission=backend is None, swap=swap)
         prep = time.perf_counter() - t0
         params, buffers = list(case.model.parameters()), list(case.model.buffers())
         out = []
@@ -220,4 +223,5 @@ def strategies(magis_time: float = 60.0, magis_points: int = 6, backend: str = "
         "rockmate": [("", rockmate)],
         "magis": [("", magis(magis_time, magis_points))],
         "magis+inductor": [("", magis(magis_time, magis_points, backend=backend))],
+        "magis-gpu": [("", magis(magis_time, magis_points, swap=True))],
     }
