@@ -9,6 +9,7 @@ user's model is left as it was.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 
 import torch
@@ -81,3 +82,32 @@ class ModelSnapshot:
             torch.set_rng_state(self.rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
+
+
+# Note [the user's CUDA generator]
+# ``torch.random.fork_rng(devices=[])`` puts back the CPU generator only, but
+# ``torch.manual_seed`` (which a check runs eager and each plan under) seeds every
+# CUDA device too, and a model on a GPU draws its dropout masks there: optimize()
+# reseeded the user's CUDA stream. Before CUDA starts, ``manual_seed`` queues its
+# CUDA seed for the start (torch.cuda's lazy seed tracker), replacing the user's
+# own queued ``torch.manual_seed(1234)``: the seed the user's GPU would have
+# started from became the check's. So `forked_rng` forks every started CUDA
+# device as well, and before CUDA starts puts the queued seeds back.
+
+@contextlib.contextmanager
+def forked_rng():
+    """The CPU generator, every started CUDA device's generator and the CUDA
+    seed queued for CUDA's start, as they were on entry, put back on exit (Note
+    [the user's CUDA generator])."""
+    started = torch.cuda.is_available() and torch.cuda.is_initialized()
+    devices = list(range(torch.cuda.device_count())) if started else []
+    tracker = None if started else getattr(torch.cuda, "_lazy_seed_tracker", None)
+    queued = None if tracker is None else {k: (list(v) if isinstance(v, list) else v)
+                                           for k, v in vars(tracker).items()}
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        if queued is not None:
+            vars(tracker).clear()
+            vars(tracker).update(queued)

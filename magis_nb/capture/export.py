@@ -23,6 +23,7 @@ from .messages import explain, user_frame
 from .outputs import find_loss, flatten, locate_loss
 from .specialize import RandomBranchError, is_data_dependent, record_scalars, replay_scalars
 from .upstream import fixed_decompositions, replayed_as_recorded
+from ..snapshot import forked_rng
 
 
 class CaptureError(ValueError):
@@ -334,6 +335,9 @@ def capture(model: nn.Module, inputs, *, loss_fn: Callable | None = None,
     fake_log.setLevel(logging.CRITICAL)
     frozen = contextlib.ExitStack()     # unused parameters, frozen while the export retries
     frozen.enter_context(_kept_python_state(model))
+    # tracing a dropout draws from the real generators (aot_export_module moved the
+    # CPU one): the user's streams go on as if nothing had been traced
+    frozen.enter_context(forked_rng())
     # Note [the user's checkpoint regions]: around every attempt, and around
     # _unused_params' trace (a reentrant checkpoint's backward refuses autograd.grad)
     marks = frozen.enter_context(marked_checkpoints())

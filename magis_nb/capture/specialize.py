@@ -28,7 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..snapshot import ModelSnapshot
+from ..snapshot import ModelSnapshot, forked_rng
 from .switches import config_switches, module_switches, outside, user_frames
 
 aten = torch.ops.aten
@@ -154,7 +154,7 @@ def record_scalars(run: Callable[[], object], model: torch.nn.Module, grad: bool
     buffers = ModelSnapshot.buffers_of(model)
     rec = _Recorder()
     try:
-        with torch.random.fork_rng(devices=[]), torch.set_grad_enabled(grad), rec:
+        with forked_rng(), torch.set_grad_enabled(grad), rec:
             run()
     finally:
         buffers.restore()

@@ -42,10 +42,29 @@ class _PlannedStep(torch.autograd.Function):
         saved = iter(ctx.saved_tensors)    # raises on a second backward, as eager does
         grads = [next(saved) if h else None for h in ctx.has]
         del saved
-        if float(grad_loss) != ctx.seed:   # (k * loss).backward(): linear in the seed
-            k = grad_loss / ctx.seed
-            grads = [g * k.to(g.dtype) if g is not None else None for g in grads]
-        return (None, *grads)
+        return (None, *scaled(grads, grad_loss, ctx.seed))
+
+
+def scaled(grads: list, grad_loss: torch.Tensor, seed: float) -> list:
+    """The gradients for ``loss.backward(grad_loss)``: linear in the loss's
+    gradient, so times ``grad_loss / seed`` ((k * loss).backward()). On the CPU
+    the factor is read, and gradients seeded as asked are handed over untouched.
+    Elsewhere reading it would wait for the whole step at every backward (a host
+    sync): the gradients, which are the step's own, are scaled in place, and
+    seeded as asked the factor is exactly 1, so they come out bit for bit."""
+    if grad_loss.device.type == "cpu":
+        if float(grad_loss) == seed:
+            return grads
+        k = grad_loss / seed
+        return [g * k.to(g.dtype) if g is not None else None for g in grads]
+    k = grad_loss / seed
+    done = set()      # a tensor handed to two parameters is scaled once
+    for g in grads:
+        key = None if g is None else (g.data_ptr(), tuple(g.shape), g.stride(), g.dtype)
+        if key is not None and key not in done:
+            done.add(key)
+            g.mul_(k.to(g.dtype))
+    return grads
 
 
 # Note [the step behind autograd]

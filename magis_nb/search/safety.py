@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from ..capture import split_call
 from ..runtime.module import step_of
+from ..snapshot import forked_rng
 from ..verify import ATOL, REL_ATOL, RTOL, Reference
 from .divergence import first_divergence
 
@@ -91,7 +92,7 @@ class SafetyNet:
         self.model = model
         self.tol = dict(rtol=LOW_RTOL, atol=ATOL, rel_atol=LOW_REL_ATOL) if low_precision \
             else dict(rtol=RTOL, atol=ATOL, rel_atol=REL_ATOL)
-        with torch.random.fork_rng(devices=[]):
+        with forked_rng():
             self.ref = Reference(model, inputs, loss_fn, mode, seed, phased=phased)
             # empty for an fp32 model on the CPU (Note [eager's own error])
             self.slack = self.ref.slack()
@@ -112,7 +113,7 @@ class SafetyNet:
             module = module()
         grads = {p: p.grad for p in self.model.parameters()}
         try:
-            with torch.random.fork_rng(devices=[]):
+            with forked_rng():
                 res = self.ref.check(module, **self.tol, slack=self.slack)
             cmp = res.comparison
             fail = None if cmp.allclose else PlanFailure(
@@ -142,7 +143,7 @@ class SafetyNet:
             return step_of(mod)(*args, **kwargs)
 
         try:
-            with torch.random.fork_rng(devices=[]):
+            with forked_rng():
                 return first_divergence(before, plan, run, rtol=self.tol["rtol"],
                                         rel_atol=self.tol["rel_atol"])
         except Exception:  # noqa: BLE001 - the search for the op is a courtesy, not the check
