@@ -1,6 +1,7 @@
 """Swaps in generated code: where the copies calls go, and that the program stays
 right when the copies really are asynchronous (a CPU stand-in that does every copy
 as late as a copy stream may, and leaves NaN in a loaded tensor until `ready`)."""
+import dataclasses
 import math
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from magis_nb import zoo
 from magis_nb.analysis import DGraph, apply_fission, build_ftree
 from magis_nb.ir import Ref
+from magis_nb.ir.graph import Graph, remap_refs
 from magis_nb.program import trace
 from magis_nb.rules.remat import written_in_place
 from magis_nb.rules.swap import swap, swap_all, swap_ops
@@ -176,3 +178,30 @@ def test_a_cpu_module_with_timed_copies_reports_its_transfers():
         torch.testing.assert_close(mod(x), LateUse()(x))
     st = mod.transfer_stats()
     assert st.copies == 4 and st.transfer_s > 0        # a Store and a Load per step
+
+
+def test_a_load_nobody_reads_is_waited_for_before_it_is_freed():
+    """Freed at its own line, a Load's block would go back to the allocator while
+    the copy stream still writes it: compute waits for it first."""
+    x = torch.randn(1024)
+    prog = trace(LateUse(), (x,), mode="infer")
+    a, late = late_use_ids(prog)
+    sg = swap(prog.graph, Ref(a, 0), [late])
+    _, (ld,) = swap_ops(sg)
+    src = sg.nodes[sg.nodes[ld].args[0].node].args[1]          # the Store's tensor
+    reader, = sg.readers()[Ref(ld, 0)]
+    # its reader moved back to the original (as a later rewrite may leave it)
+    nodes = [dataclasses.replace(n, args=remap_refs(n.args, {Ref(ld, 0): src}))
+             if n.id == reader else n for n in sg.nodes]
+    g = Graph(nodes, sg.outputs, sg.output_roles)
+    mod = OptimizedModule(prog.model, prog.captured, g, _prefetch_order(g))
+    lines = [ln.strip() for ln in mod.code.splitlines()]
+    load = next(i for i, ln in enumerate(lines) if "= _io.load(0, " in ln)
+    assert lines[load + 1] == "_io.ready(0)", lines
+    var = lines[load].split(" = ")[0]
+    freed = next(i for i, ln in enumerate(lines) if ln.startswith("del ") and var in ln)
+    assert freed > load + 1
+    late_io = LateCopies()
+    out = mod.step_fn(x.device, x, *mod.host_buffers, _io=late_io)[0]   # finish: all waited
+    torch.testing.assert_close(out, LateUse()(x))
+    assert late_io.readied == [0]

@@ -123,6 +123,10 @@ class _Swaps:
         self.ready_at: dict[int, list[int]] = {}
         for ld, p in readers.items():
             self.ready_at.setdefault(p, []).append(self.load_k[ld])
+        # a Load nobody reads is freed at its own line: the compute stream must wait
+        # for its copy first, or the block goes back to the pool while the copy
+        # stream still writes it
+        self.unread = {ld: k for ld, k in self.load_k.items() if ld not in readers}
 
     def call(self, g: Graph, nid: int) -> str | None:
         n = g.nodes[nid]
@@ -139,6 +143,10 @@ class _Swaps:
             pool, x = g.nodes[s].args
             out.append(f"_io.store({self.store_k[s]}, {_var(g, pool)}, {_var(g, x)})")
         return out
+
+    def settle(self, nid: int) -> list[str]:
+        """After ``nid``'s line: wait for it if it is a Load nobody reads."""
+        return [f"_io.ready({self.unread[nid]})"] if nid in self.unread else []
 
     def ready(self, first: int, stop: int) -> list[str]:
         ks = sorted(k for p in range(first, stop) for k in self.ready_at.get(p, ()))
@@ -286,6 +294,7 @@ def generate(g: Graph, order: Sequence[int], fn_name: str = "step") -> str:
         if loop is None:
             lines.append("    " + _line(g, order[i], swaps=swaps))
             lines += ["    " + c for c in swaps.stores_after(g, order[i])]
+            lines += ["    " + c for c in swaps.settle(order[i])]
             gone = sorted({_var(g, r) for r in dels.get(i, [])})
             if gone:
                 lines.append(f"    del {', '.join(gone)}")
