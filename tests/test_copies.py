@@ -205,3 +205,13 @@ def test_a_load_nobody_reads_is_waited_for_before_it_is_freed():
     out = mod.step_fn(x.device, x, *mod.host_buffers, _io=late_io)[0]   # finish: all waited
     torch.testing.assert_close(out, LateUse()(x))
     assert late_io.readied == [0]
+
+
+def test_pinned_host_buffers_count_what_the_host_allocator_takes(monkeypatch):
+    from magis_nb.runtime.module import held_host_bytes
+
+    t = torch.empty(3 * 1024 + 5, dtype=torch.uint8)
+    assert held_host_bytes(t) == 3 * 1024 + 5                 # pageable: its bytes
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+    assert held_host_bytes(t) == 4096                         # pinned: the next power of two
+    assert held_host_bytes(torch.empty(4096, dtype=torch.uint8)) == 4096

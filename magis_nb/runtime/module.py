@@ -17,6 +17,15 @@ from .codegen import bucket_nodes, compile_source, generate, seeded
 from .copies import copies_for, host_buffer
 
 
+def held_host_bytes(t: torch.Tensor) -> int:
+    """Host bytes ``t``'s storage holds: pinned blocks come from the caching host
+    allocator, which rounds every request up to a power of two."""
+    n = t.untyped_storage().nbytes()
+    if n <= 1 or not t.is_pinned():
+        return n
+    return 1 << (n - 1).bit_length()
+
+
 class _Box:
     """What `_PlannedStep.forward` hands over: the step's loss and gradients."""
     __slots__ = ("loss", "seed", "grads")
@@ -185,8 +194,10 @@ class OptimizedModule(nn.Module):
     @property
     def host_bytes(self) -> int:
         """Bytes of the host buffers swapped tensors live in between Store and Load:
-        host memory on a GPU; on the CPU the same RAM as everything else."""
-        return sum(p.untyped_storage().nbytes() for p in self.host_buffers)
+        host memory on a GPU; on the CPU the same RAM as everything else. A pinned
+        buffer counts what PyTorch's caching host allocator takes for it: its size
+        rounded up to a power of two."""
+        return sum(held_host_bytes(p) for p in self.host_buffers)
 
     def resident(self) -> list[torch.Tensor]:
         """Tensors the module itself keeps between steps on the compute device (the
