@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from ..snapshot import forked_rng
 from .batch import CallSpec, split_call
 from .checkpoint import marked_checkpoints, region_tags
 from .ctc import traceable_ctc
@@ -23,7 +24,6 @@ from .messages import explain, user_frame
 from .outputs import find_loss, flatten, locate_loss
 from .specialize import RandomBranchError, is_data_dependent, record_scalars, replay_scalars
 from .upstream import fixed_decompositions, replayed_as_recorded
-from ..snapshot import forked_rng
 
 
 class CaptureError(ValueError):
