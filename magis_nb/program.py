@@ -55,7 +55,12 @@ def trace(model: nn.Module, inputs, *, loss_fn: Callable | None = None,
           mode: str = "train") -> Program:
     """Capture ``model`` and build its IR and memory model."""
     model = uncompiled(model)
-    cap = capture(model, inputs, loss_fn=loss_fn, mode=mode)
+    return program_of(model, capture(model, inputs, loss_fn=loss_fn, mode=mode))
+
+
+def program_of(model: nn.Module, cap: Captured) -> Program:
+    """The IR and memory model of a captured step (`trace` after its capture):
+    the unoptimized program every plan of ``cap`` rewrites."""
     g = split_mean_loss(decompose_dropout(unshift_loss(drop_metadata_asserts(build_graph(cap)))))
     g = decompose_batch_norms(read_through_detaches(drop_identity_clones(g)))
     mg, op_ids, refs = g.memgraph()

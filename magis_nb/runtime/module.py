@@ -126,6 +126,7 @@ class OptimizedModule(nn.Module):
                  order: Sequence[int], source: str | None = None, comm=None):
         super().__init__()
         self.model = model
+        self.captured = cap             # the step every plan of it rewrites (verify.Reference)
         self.mode = cap.mode
         self.order = list(order)
         self.code = source if source is not None else generate(graph, self.order)

@@ -94,12 +94,17 @@ class SafetyNet:
             else dict(rtol=RTOL, atol=ATOL, rel_atol=REL_ATOL)
         with forked_rng():
             self.ref = Reference(model, inputs, loss_fn, mode, seed, phased=phased)
-            # empty for an fp32 model on the CPU (Note [eager's own error])
-            self.slack = self.ref.slack()
+            self.ref.spread()
         self.done: dict[int, PlanFailure | None] = {}
         # key -> (measured peak of the plan's step, its module's host buffers), for
         # the plans that passed: what `OptimizeResult.measured` reports
         self.measured: dict[int, tuple[int, int]] = {}
+
+    @property
+    def slack(self) -> dict[str, float]:
+        """More atol per tensor in float32 (`Reference.slack`): empty for an fp32
+        model on the CPU (Note [eager's own error])."""
+        return self.ref.slack()
 
     def check(self, key: int, label: str, module: nn.Module | Callable[[], nn.Module],
               baseline: Callable[[], nn.Module] | None = None) -> PlanFailure | None:
@@ -114,7 +119,11 @@ class SafetyNet:
         grads = {p: p.grad for p in self.model.parameters()}
         try:
             with forked_rng():
-                res = self.ref.check(module, **self.tol, slack=self.slack)
+                # a model normalizing by its batch: the Reference takes its
+                # allowance after its second sample (Note [two samples of
+                # float32's rounding] in verify.py)
+                res = self.ref.check(module, **self.tol,
+                                     slack=None if self.ref.phased else self.slack)
             cmp = res.comparison
             fail = None if cmp.allclose else PlanFailure(
                 label, "differs from eager", "; ".join(cmp.mismatches[:4]), module.code)
