@@ -25,10 +25,10 @@ from test_remat import LateUse, late_use_ids
 class LateCopies:
     """Asynchronous copies at their latest legal moment, on the CPU.
 
-    A Store's copy happens only when its buffer is next loaded (a copy stream
-    may still be behind; if the program changed the tensor meanwhile, the Load
-    sees it). A Load's destination is NaN (or -7 for integers) until `ready`;
-    reading it earlier shows up as a wrong result.
+    A Store's copy happens only when the program waits for it (``stored``, the
+    latest a copy stream may finish it; if the program changed the tensor
+    meanwhile, the buffer gets the change). A Load's destination is NaN (or -7
+    for integers) until `ready`; reading it earlier shows up as a wrong result.
     """
 
     def __init__(self):
@@ -36,6 +36,11 @@ class LateCopies:
 
     def store(self, k, pool, x):
         self.stores[id(pool)] = (pool, x)
+
+    def stored(self, k, pool):
+        p, x = self.stores.pop(id(pool))
+        p.copy_(x)
+        return pool
 
     def load(self, j, pool, dev):
         if id(pool) in self.stores:

@@ -541,39 +541,28 @@ def test_search_plans_on_permuted_layouts_run_and_match_eager(name):
         assert chk.comparison.allclose, (p, chk.comparison.mismatches)
 
 
-class _Stub:
-    """A stream or event that does nothing (the CPU stand-in below)."""
-
-    def __init__(self, *a, **k):
-        pass
-
-    def __getattr__(self, name):
-        return lambda *a, **k: None
-
-
 @pytest.mark.parametrize("layout", ["permuted", "expanded", "gaps"])
-def test_cuda_copies_keep_any_layout_cpu_stand_in(layout, monkeypatch):
-    """`CudaCopies`' Store and Load (their stream calls stubbed out, run on the
-    CPU): the loaded tensor is allocated with the buffer's strides and the copy
-    fills it whatever the layout."""
-    import contextlib
+def test_cuda_copies_keep_any_layout_cpu_stand_in(layout):
+    """`CudaCopies`' Store and Load on the CPU stand-in of its streams
+    (tests/cuda_standin.py: copies run when waited for): the loaded tensor is
+    allocated with the buffer's strides and the copy fills it whatever the
+    layout."""
+    from cuda_standin import StandInStreams
 
     from magis_nb.runtime.copies import CudaCopies
-    monkeypatch.setattr(torch.cuda, "Stream", _Stub)
-    monkeypatch.setattr(torch.cuda, "Event", _Stub)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: _Stub())
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
     base = torch.randn(3, 4, 10)
     x = {"permuted": base.permute(2, 0, 1), "expanded": base[:, :1].expand(3, 5, 10),
          "gaps": base[:, :, 2:7]}[layout]
-    io = CudaCopies(1, "cpu")
+    streams = StandInStreams()
+    io = CudaCopies(1, "cpu", streams=streams)
     # Recorded strides, or none: the buffer takes x's at the Store, where x's span
     # fits in it (a layout with gaps spans more than its elements: recorded only).
     pool = host_buffer(tuple(x.shape), tuple(x.stride()) if layout == "gaps" else None, x.dtype)
     io.store(0, pool, x)
+    io.stored(0, pool)
     y = io.load(0, pool, torch.device("cpu"))
     io.ready(0)
     io.finish()
+    assert not streams.violations and not streams.pending()
     assert y.stride() == x.stride()
     torch.testing.assert_close(y, x, rtol=0, atol=0)

@@ -89,6 +89,9 @@ class HostOps:
     def store(self, k, pool, x):
         torch.ops.magis_nb.store_to_host.default(pool, x)
 
+    def stored(self, k, pool):
+        return pool
+
     def load(self, k, pool, dev):
         return torch.ops.magis_nb.load_from_host.default(pool, dev)
 

@@ -18,6 +18,7 @@ from ..distributed.buckets import BUCKET_TARGET
 from ..ir.graph import Graph, LossSeed, Ref, Region
 from ..kernels import SUBSTITUTES, namespace
 from ..rules.swap import swap_ops
+from ..simulate.cost import is_free
 from .copies import SYNC
 
 _counter = itertools.count()
@@ -101,8 +102,9 @@ class _Swaps:
     """Where a program's swaps put their `copies` calls (see runtime.copies).
 
     A Store is issued right after its tensor's producer (as the latency model
-    places it), and its own line only names the host buffer: the tensor may be
-    deleted after it. A Load's line issues the copy back; the compute stream
+    places it); its own line (``stored``) is where the program waits for the
+    copy, and the tensor may be deleted after it (Note [a Store's free point]
+    in runtime/copies.py). A Load's line issues the copy back; the compute stream
     waits for it (``ready``) just before the first op that reads the copy.
     """
 
@@ -115,24 +117,31 @@ class _Swaps:
         for s in stores:
             self.after.setdefault(g.nodes[s].args[1].node, []).append(s)
         pos = {v: i for i, v in enumerate(order)}
-        readers: dict[int, int] = {}                    # Load -> position of its first reader
+        # Load -> position of its first reader that touches its data: views of
+        # the loaded copy do not, and wait for nothing (as `search.transfers_of`
+        # prices it: the two agree op for op, tests/test_cuda_protocol.py)
+        readers: dict[int, int] = {}
         for v in order:
+            if is_free(g.nodes[v]):
+                continue
             for r in g.nodes[v].refs():
-                if r.node in self.load_k and r.node not in readers:
-                    readers[r.node] = pos[v]
+                ld = g.storage_of(r).node
+                if ld in self.load_k and ld not in readers:
+                    readers[ld] = pos[v]
         self.ready_at: dict[int, list[int]] = {}
         for ld, p in readers.items():
             self.ready_at.setdefault(p, []).append(self.load_k[ld])
-        # a Load nobody reads is freed at its own line: the compute stream must wait
-        # for its copy first, or the block goes back to the pool while the copy
-        # stream still writes it
+        # a Load no op reads the data of may be freed soon after its line: the
+        # compute stream waits for its copy right there, or the block goes back
+        # to the pool while the copy stream still writes it
         self.unread = {ld: k for ld, k in self.load_k.items() if ld not in readers}
 
     def call(self, g: Graph, nid: int) -> str | None:
         n = g.nodes[nid]
         if nid in self.store_k:
             pool, x = n.args
-            return f"{_var(g, pool)}  # Store of {_var(g, x)} issued: it may be freed from here"
+            return (f"_io.stored({self.store_k[nid]}, {_var(g, pool)})  # Store of {_var(g, x)} "
+                    "done: it may be freed from here")
         if nid in self.load_k:
             return f"_io.load({self.load_k[nid]}, {_var(g, n.args[0])}, _dev)  # {_shape_note(g, nid)}"
         return None

@@ -1,9 +1,13 @@
 """How a generated program moves swapped tensors to the host and back.
 
-The generated code (see `codegen`) calls four methods of an ``io`` object:
+The generated code (see `codegen`) calls five methods of an ``io`` object:
 
-- ``store(k, pool, x)`` right after ``x``'s producer: copy ``x`` into its host
-  buffer ``pool`` (swap ``k``). ``x`` may be deleted by the program afterwards.
+- ``store(k, pool, x)`` right after ``x``'s producer: start copying ``x`` into
+  its host buffer ``pool`` (swap ``k``).
+- ``stored(k, pool)`` at the Store's place in the plan's order: the program
+  goes on only once the copy is done (returns ``pool``); ``x`` may be deleted
+  from here, and its memory is free for the next op, as the simulator frees it
+  (Note [a Store's free point]).
 - ``load(k, pool, dev)`` where the plan issues the Load: returns a new tensor on
   ``dev`` that receives ``pool``'s contents.
 - ``ready(k)`` just before the first op that reads the loaded tensor.
@@ -103,6 +107,9 @@ class SyncCopies:
         match_layout(pool, x)
         copy_layout(pool, x)
 
+    def stored(self, k: int, pool: torch.Tensor) -> torch.Tensor:
+        return pool
+
     def load(self, k: int, pool: torch.Tensor, dev) -> torch.Tensor:
         return load_like(pool, dev)
 
@@ -116,15 +123,49 @@ class SyncCopies:
 SYNC = SyncCopies()
 
 
+class CudaStreams:
+    """The stream calls `CudaCopies` makes, as torch.cuda makes them. A stand-in
+    with the same five members (tests/cuda_standin.py) runs the same protocol on
+    the CPU and checks it."""
+    Stream = staticmethod(lambda device: torch.cuda.Stream(device))
+    Event = staticmethod(lambda enable_timing=False: torch.cuda.Event(enable_timing=enable_timing))
+    current_stream = staticmethod(lambda device: torch.cuda.current_stream(device))
+
+    @staticmethod
+    def copy(stream, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Issue ``dst.copy_(src)`` on ``stream``, not waited for."""
+        with torch.cuda.stream(stream):
+            copy_layout(dst, src, non_blocking=True)
+
+    @staticmethod
+    def empty_strided(shape, stride, dtype, device) -> torch.Tensor:
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+
+
+# Note [a Store's free point]
+# A stored tensor's memory is free at the Store's place in the plan's order:
+# the memory simulator frees it there and the latency simulator makes the next
+# compute op wait for the Store's copy (search/transfers.py). The runtime does
+# the same: ``stored(k)`` makes the compute stream wait for Store k's event,
+# and the program deletes the tensor after that line, so its block goes back to
+# the compute stream's pool with every later op ordered after the copy. Before,
+# ``x.record_stream(copy stream)`` and no wait: compute never stalled, but the
+# caching allocator kept the block until the copy stream passed the free point,
+# so a step could measure above the simulated peak, reserved memory grew, and
+# under pressure the allocator synchronized the device; neither was modelled.
+# Whether waiting or record_stream is faster on a GPU is not measured yet
+# (issue 56); the runtime now does what the plan was priced and sized for.
+
+
 class CudaCopies:
     """Asynchronous Stores and Loads on one copy stream of ``device``.
 
     Ordering, without a host-blocking synchronize anywhere:
 
     - Store: the copy stream waits for the compute stream (``x`` is computed),
-      copies into the pinned buffer, and ``x.record_stream`` keeps the caching
-      allocator from handing ``x``'s block to a later op before the copy has read
-      it. The compute stream never waits for a Store.
+      copies into the pinned buffer and records an event; ``stored`` makes the
+      compute stream wait on it at the Store's place in the order, before the
+      program frees ``x`` (Note [a Store's free point]).
     - Load: the destination is allocated on the compute stream (so its block
       returns to the compute stream's pool when the program frees it); the copy
       stream waits for the compute stream up to here (earlier ops may still use
@@ -133,38 +174,45 @@ class CudaCopies:
     - One copy stream runs the transfers one at a time, in issue order, as the
       latency simulation models them; a Store into a buffer is ordered after the
       previous call's Load from it.
+
+    ``streams``: the stream calls (`CudaStreams`; a stand-in in the tests).
     """
 
-    def __init__(self, n: int, device):
+    def __init__(self, n: int, device, streams=CudaStreams):
         self.device = torch.device(device)
-        self.stream = torch.cuda.Stream(self.device)
-        self.done = [torch.cuda.Event() for _ in range(n)]
+        self.api = streams
+        self.stream = streams.Stream(self.device)
+        self.done = [streams.Event() for _ in range(n)]     # Load k copied
+        self.kept = [streams.Event() for _ in range(n)]     # Store k copied
 
     def _compute(self):
-        return torch.cuda.current_stream(self.device)
+        return self.api.current_stream(self.device)
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """One transfer, issued on the copy stream (the caller made it current)."""
-        copy_layout(dst, src, non_blocking=True)
+        """One transfer, issued on the copy stream."""
+        self.api.copy(self.stream, dst, src)
 
-    def _wait(self, k: int, wait) -> None:
-        """Make compute wait (``wait``); ``k``: the swap, -1 for finish."""
+    def _wait(self, k, wait) -> None:
+        """Make compute wait (``wait``); ``k``: the Load, ("store", k) for a
+        Store, -1 for finish."""
         wait()
 
     def store(self, k: int, pool: torch.Tensor, x: torch.Tensor) -> None:
         match_layout(pool, x)       # metadata only: before the copy is issued
         self.stream.wait_stream(self._compute())
-        with torch.cuda.stream(self.stream):
-            self._copy(pool, x)
-        x.record_stream(self.stream)
+        self._copy(pool, x)
+        self.kept[k].record(self.stream)
+
+    def stored(self, k: int, pool: torch.Tensor) -> torch.Tensor:
+        self._wait(("store", k), lambda: self._compute().wait_event(self.kept[k]))
+        return pool
 
     def load(self, k: int, pool: torch.Tensor, dev) -> torch.Tensor:
         # the swapped tensor's strides (the buffer's: see `host_buffer`)
-        y = torch.empty_strided(pool.shape, pool.stride(), dtype=pool.dtype, device=self.device)
+        y = self.api.empty_strided(pool.shape, pool.stride(), pool.dtype, self.device)
         self.stream.wait_stream(self._compute())
-        with torch.cuda.stream(self.stream):
-            self._copy(y, pool)
-            self.done[k].record(self.stream)
+        self._copy(y, pool)
+        self.done[k].record(self.stream)
         return y
 
     def ready(self, k: int) -> None:
@@ -182,7 +230,7 @@ class TransferStats:
     transfer_s: float = 0.0         # copy stream busy with Stores and Loads
     stall_s: float = 0.0            # compute stream waiting in ready()/finish()
     copies: int = 0
-    waits: list = field(default_factory=list)   # (swap k, seconds) per wait
+    waits: list = field(default_factory=list)   # (Load k, ("store", k) or -1, seconds)
 
     @property
     def hidden(self) -> float:
@@ -201,13 +249,13 @@ class TimedCudaCopies(CudaCopies):
     the step (it synchronizes).
     """
 
-    def __init__(self, n: int, device):
-        super().__init__(n, device)
+    def __init__(self, n: int, device, streams=CudaStreams):
+        super().__init__(n, device, streams)
         self._copy_ev: list[tuple] = []
         self._wait_ev: list[tuple] = []
 
     def _ev(self):
-        return torch.cuda.Event(enable_timing=True)
+        return self.api.Event(enable_timing=True)
 
     def _copy(self, dst, src):
         a, b = self._ev(), self._ev()

@@ -151,7 +151,8 @@ class OptimizedModule(nn.Module):
         self.host_buffers = [host_buffer(n.outputs[0].shape, n.outputs[0].stride,
                                          n.outputs[0].dtype, pin) for n in pool_inputs(graph)]
         stores, loads = swap_ops(graph)
-        self._n_loads = len(loads) if stores else 0
+        # the events a copies object keeps: one per Load and one per Store
+        self._n_events = max(len(loads), len(stores)) if stores else 0
         self._swaps = bool(stores)
         self._copies = {}               # device -> copies object, made on first use
         self.timed_copies = False
@@ -174,7 +175,7 @@ class OptimizedModule(nn.Module):
             return self.copies
         key = (dev, self.timed_copies)
         if key not in self._copies:
-            self._copies[key] = copies_for(dev, max(self._n_loads, 1), timed=self.timed_copies)
+            self._copies[key] = copies_for(dev, max(self._n_events, 1), timed=self.timed_copies)
         return self._copies[key]
 
     def transfer_stats(self):

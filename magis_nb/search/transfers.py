@@ -163,14 +163,23 @@ def transfers_of(g: Graph, order: Sequence[int]) -> tuple[list[int], list[Transf
         after = on_compute(src.node, True) if g.nodes[src.node].kind == "op" else None
         xs.append((pos[after] if after is not None else -1,
                    Transfer("store", g.tensor(src).nbytes, after, next_compute(pos[s]))))
-    rd = g.readers()
+    # the first op in the order that reads a loaded copy's data, through views of
+    # it or not (views do not touch the data; the program readies the copy there)
+    loaded, first_reader = set(loads), {}
+    for v in order:
+        if v in moving or is_free(g.nodes[v]):
+            continue
+        for r in g.nodes[v].refs():
+            ld = g.storage_of(r).node
+            if ld in loaded and ld not in first_reader:
+                first_reader[ld] = v
     for ld in loads:
-        # views of the loaded copy do not touch its data: the first real reader waits
-        first = min((u for u in rd.get(Ref(ld, 0), ()) if not is_free(g.nodes[u])),
-                    key=lambda v: pos.get(v, 1 << 60), default=None)
+        first = first_reader.get(ld)
         after = prev_compute(pos[ld])
-        xs.append((pos[ld], Transfer("load", g.nodes[ld].outputs[0].nbytes, after,
-                                     on_compute(first, False))))
+        # no op reads its data: the program waits for it right after its line
+        # (it may be freed there: runtime/codegen.py)
+        before = on_compute(first, False) if first is not None else next_compute(pos[ld])
+        xs.append((pos[ld], Transfer("load", g.nodes[ld].outputs[0].nbytes, after, before)))
     xs.sort(key=lambda t: t[0])
     return compute, [t for _, t in xs]
 
