@@ -79,3 +79,31 @@ def test_backward_on_a_gpu_does_not_sync():
     (2 * res.module(x, y)).backward()             # the in-place scaling: exactly twice
     for p, w in zip(model.parameters(), want):
         torch.testing.assert_close(p.grad, 2 * w)
+
+
+class _MovesItsInput(nn.Module):
+    """Its first input comes on the CPU and is moved to the weights' device in
+    forward, as models do with masks and lengths."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, mask, x):
+        return self.lin(x) * mask.to(x.device)
+
+
+@pytest.mark.gpu
+def test_the_compute_device_is_the_models_not_the_first_inputs():
+    model = _MovesItsInput().cuda()
+    mask, x = torch.ones(8, 16), torch.randn(8, 16, device="cuda")
+    loss_fn = lambda out: out.square().mean()      # noqa: E731
+    res = magis_nb.optimize(model, (mask, x), loss_fn=loss_fn, mem_budget=0.9,
+                            time_budget=3, max_states=4)
+    res.module(mask, x).backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = None
+    loss_fn(model(mask, x)).backward()
+    for p, w in zip(model.parameters(), got):
+        torch.testing.assert_close(p.grad, w)

@@ -231,7 +231,10 @@ class OptimizedModule(nn.Module):
         the loss's gradient; 1.0 unless a GradScaler scales the loss)."""
         args = [params[n] for n in self._param_names]
         args += [buffers[n] for n in self._buffer_names]
-        dev = inputs[0].device
+        # the compute device is the model's: an input may live elsewhere (a CPU
+        # tensor of lengths the model moves itself); a model without weights
+        # computes where its first input is
+        dev = next((t.device for t in args), inputs[0].device if inputs else torch.device("cpu"))
         args += list(inputs)
         args += self._constants(dev)
         args += self.host_buffers
