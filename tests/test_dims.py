@@ -686,3 +686,13 @@ def test_own_rounding_does_not_hide_a_wrong_combine():
     od.axes[a] = dataclasses.replace(od.axes[a], combine="mean")
     with pytest.raises(AssertionError):
         check_axis(node, ts, full, od, a, 2)
+
+
+def test_a_second_rule_for_a_target_is_refused():
+    """A target has one dimension rule: registering another raises instead of
+    replacing it (which rule held depended on the order of imports)."""
+    from magis_nb.analysis.dims_base import RULES, rule
+    before = RULES["aten.mm.default"]
+    with pytest.raises(ValueError, match="already has a dimension rule"):
+        rule("aten.mm")(lambda *a: None)
+    assert RULES["aten.mm.default"] is before

@@ -60,3 +60,18 @@ def test_swap_true_allows_swaps_on_the_cpu_and_the_report_warns(mlp):
     assert "saves less" in memory_kind(res)
     off = _run(mlp, device_profile="rtx3090", swap=False, verify=False)
     assert all(not p.swaps for p in off.pareto)
+
+
+def test_a_new_profile_names_itself_in_the_report(monkeypatch):
+    """A device profile says its name and that it is a GPU: adding one to
+    `PROFILES` is all a report needs (no second table to forget)."""
+    from types import SimpleNamespace
+
+    from magis_nb.simulate.profiles import PROFILES, DeviceProfile
+    monkeypatch.setitem(PROFILES, "l40s", DeviceProfile(
+        "l40s", {"float32": 91.6e12}, mem_bw=864e9, host_link_bw=25e9,
+        launch_overhead_s=5e-6, display="L40S"))
+    res = SimpleNamespace(profile="roofline:l40s", device="cpu", swap=True)
+    assert memory_kind(res).startswith("planned for L40S; device memory measured here")
+    cpu = SimpleNamespace(profile="roofline:cpu", device="cpu", swap=False)
+    assert "process memory" in memory_kind(cpu)

@@ -171,8 +171,17 @@ RULES: dict[str, Callable] = {}
 
 
 def rule(*targets: str):
+    """Register ``fn`` as the rule of ``targets``. A target has one rule: a
+    second registration raises, so which rule holds never depends on the order
+    modules are imported in."""
     def deco(fn):
         for t in targets:
-            RULES[t if t.count(".") >= 2 else t + ".default"] = fn
+            key = t if t.count(".") >= 2 else t + ".default"
+            old = RULES.get(key)
+            if old is not None and old is not fn:
+                raise ValueError(f"{key} already has a dimension rule ({old.__module__}."
+                                 f"{old.__qualname__}); {fn.__module__}.{fn.__qualname__} "
+                                 "would replace it: merge the two")
+            RULES[key] = fn
         return fn
     return deco

@@ -5,6 +5,7 @@ from __future__ import annotations
 from html import escape
 from typing import TYPE_CHECKING
 
+from ..simulate.profiles import PROFILES
 from .measured_choice import SLOW
 
 if TYPE_CHECKING:
@@ -31,12 +32,11 @@ def _ms(s: float) -> str:
 # memory. A plan for a GPU profile made on a CPU machine is measured here as a
 # stand-in for the device: its swapped bytes live in host buffers the stand-in
 # does not count, and the report says so.
-GPU_NAMES = {"rtx3090": "RTX 3090", "a100": "A100", "h100": "H100", "h200": "H200"}
-
-
 def _gpu_planned(r: OptimizeResult) -> str | None:
-    """The GPU profile's display name when the plan was made for one, else None."""
-    return GPU_NAMES.get(r.profile.split(":")[-1])
+    """The GPU profile's display name when the plan was made for one, else None
+    (a profile says itself whether it is a GPU: `DeviceProfile.gpu`)."""
+    p = PROFILES.get(r.profile.split(":")[-1])
+    return p.title if p is not None and p.gpu else None
 
 
 def _process_plan(r: OptimizeResult) -> bool:

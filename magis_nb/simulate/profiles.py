@@ -32,6 +32,12 @@ class DeviceProfile:
     mem_bw: float                     # device memory bytes/s
     host_link_bw: float               # device <-> host bytes/s, one direction (swaps)
     launch_overhead_s: float          # added to every op that launches a kernel
+    display: str = ""                 # the name a report gives it ("RTX 3090"); name if empty
+    gpu: bool = True                  # a GPU: plans for it run here as a stand-in (reports)
+
+    @property
+    def title(self) -> str:
+        return self.display or self.name
 
     def peak(self, dtype_name: str) -> float:
         """Peak FLOP/s for ``dtype_name``; unknown dtypes (ints, bool) use float32."""
@@ -48,7 +54,7 @@ PROFILES: dict[str, DeviceProfile] = {
         "rtx3090",
         {"float32": 35.6e12, "tfloat32": 35.6e12, "bfloat16": 71e12, "float16": 71e12,
          "float64": 0.556e12},
-        mem_bw=936e9, host_link_bw=25e9, launch_overhead_s=5e-6),
+        mem_bw=936e9, host_link_bw=25e9, launch_overhead_s=5e-6, display="RTX 3090"),
     # NVIDIA A100 Tensor Core GPU datasheet, "A100 80GB SXM": FP32 19.5 TFLOPS; TF32
     # tensor 156 dense (312 sparse); BF16/FP16 tensor 312 dense (624 sparse); FP64
     # tensor 19.5; HBM2e 2,039 GB/s (the 40 GB part has 1,555 GB/s). PCIe 4.0 x16.
@@ -56,7 +62,7 @@ PROFILES: dict[str, DeviceProfile] = {
         "a100",
         {"float32": 19.5e12, "tfloat32": 156e12, "bfloat16": 312e12, "float16": 312e12,
          "float64": 19.5e12},
-        mem_bw=2.039e12, host_link_bw=25e9, launch_overhead_s=5e-6),
+        mem_bw=2.039e12, host_link_bw=25e9, launch_overhead_s=5e-6, display="A100"),
     # NVIDIA H100 Tensor Core GPU datasheet, "H100 SXM": FP32 67 TFLOPS; TF32 tensor
     # 989 with sparsity = 494.5 dense; BF16/FP16 tensor 1,979 with sparsity = 989.5
     # dense; FP64 tensor 67; HBM3 3.35 TB/s. PCIe 5.0 x16.
@@ -64,7 +70,7 @@ PROFILES: dict[str, DeviceProfile] = {
         "h100",
         {"float32": 67e12, "tfloat32": 494.5e12, "bfloat16": 989.5e12, "float16": 989.5e12,
          "float64": 67e12},
-        mem_bw=3.35e12, host_link_bw=50e9, launch_overhead_s=5e-6),
+        mem_bw=3.35e12, host_link_bw=50e9, launch_overhead_s=5e-6, display="H100"),
     # NVIDIA H200 Tensor Core GPU datasheet, "H200 SXM": the same compute as H100 SXM
     # (FP32 67, TF32 989 / BF16 1,979 with sparsity, i.e. half that dense); HBM3e
     # 141 GB at 4.8 TB/s. PCIe 5.0 x16.
@@ -72,7 +78,7 @@ PROFILES: dict[str, DeviceProfile] = {
         "h200",
         {"float32": 67e12, "tfloat32": 494.5e12, "bfloat16": 989.5e12, "float16": 989.5e12,
          "float64": 67e12},
-        mem_bw=4.8e12, host_link_bw=50e9, launch_overhead_s=5e-6),
+        mem_bw=4.8e12, host_link_bw=50e9, launch_overhead_s=5e-6, display="H200"),
 }
 
 
@@ -136,6 +142,6 @@ def cpu_profile(refresh: bool = False) -> DeviceProfile:
         {"float32": fp32, "tfloat32": fp32, "bfloat16": bf16, "float64": fp32 / 2},
         # a swap of n bytes on the CPU is a copy: it reads n and writes n, so it
         # moves n bytes at half the read + write bandwidth
-        mem_bw=bw, host_link_bw=bw / 2, launch_overhead_s=launch)
+        mem_bw=bw, host_link_bw=bw / 2, launch_overhead_s=launch, display="this CPU", gpu=False)
     _CPU_CACHE[threads] = prof
     return prof
