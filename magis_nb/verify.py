@@ -1,6 +1,7 @@
 """Hold an optimized program against eager PyTorch: loss, gradients, buffers, peak."""
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 from typing import Callable
@@ -10,6 +11,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from .capture import eager_step, flatten, split_call
+from .draws import RecordDraws, ReplayDraws
 from .runtime.measure import measure_cpu, model_baseline
 from .runtime.module import step_of
 from .snapshot import ModelSnapshot
@@ -251,10 +253,14 @@ class Reference:
     """
 
     def __init__(self, model: nn.Module, inputs: tuple, loss_fn, mode: str, seed: int = 0,
-                 phased: bool | None = None):
+                 phased: bool | None = None, replay_draws: bool | None = None):
         """``phased``: the program computes normalizations in phases (Note
-        [phased BatchNorm's rounding]); None: guessed from the model's norms."""
+        [phased BatchNorm's rounding]); None: guessed from the model's norms.
+        ``replay_draws``: the wide step draws what eager's float32 step drew
+        (Note [the wide step draws eager's masks] in draws.py); None: where the
+        model is on CUDA."""
         self.model, self.inputs, self.loss_fn, self.mode, self.seed = model, inputs, loss_fn, mode, seed
+        self.replay_draws = replay_draws
         self.phased = normalizes_by_batch(model, mode) if phased is None else phased
         self.start = ModelSnapshot.of(model)
         self.ref = copy.deepcopy(model)
@@ -291,13 +297,39 @@ class Reference:
                 inputs = tree_map(lambda t: t.to(wide_t) if isinstance(t, torch.Tensor)
                                   and t.is_floating_point()
                                   and t.element_size() < wide_t.itemsize else t, self.inputs)
+                replay = contextlib.nullcontext()
+                if self._replays(params):
+                    replay = ReplayDraws(self._draws())
                 torch.manual_seed(self.seed)
                 try:
-                    out = eager_step(ref, inputs, self.loss_fn, self.mode)
+                    with replay:
+                        out = eager_step(ref, inputs, self.loss_fn, self.mode)
+                    if isinstance(replay, ReplayDraws):
+                        replay.finish()
                 except Exception:  # noqa: BLE001 - no wide step, no spread: the plain tolerance
                     return None
                 self._wide = _WideStep(model, ModelSnapshot.of(model), ref, inputs, out)
         return self._wide
+
+    def _replays(self, params) -> bool:
+        if self.replay_draws is not None:
+            return self.replay_draws
+        return any(p.device.type == "cuda" for p in params)
+
+    def _draws(self) -> list:
+        """Eager's float32 step once more, on a fresh copy, its draws recorded."""
+        self.restore()
+        try:
+            model = copy.deepcopy(self.model)
+        finally:
+            self.restore()
+        for p in model.parameters():
+            p.grad = None
+        rec = RecordDraws()
+        torch.manual_seed(self.seed)
+        with rec:
+            eager_step(model, self.inputs, self.loss_fn, self.mode)
+        return rec.draws
 
     def spread(self) -> dict[str, float]:
         """Eager's own error, per tensor: the largest difference between this
