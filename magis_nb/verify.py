@@ -439,12 +439,7 @@ class Reference:
             except ValueError:      # a program in low precision: float32's check alone
                 wide = None
             if wide is not None:
-                got = self._run(wide, w.model, w.inputs, w.start.restore)
-                try:
-                    exact = compare_models(w.ref, w.model, w.out, got.result, rtol=EXACT_RTOL,
-                                           atol=0.0, rel_atol=0.0, slack=self.exact_slack())
-                finally:
-                    w.start.restore()
+                exact = self._check_wide(wide, w)
                 cmp = Comparison(cmp.allclose and exact.allclose, cmp.max_abs_err,
                                  cmp.mismatches + [f"float64 {m}" for m in exact.mismatches])
         return StepCheck(cmp, ours.peak, ours.baseline, self.eager_peak, exact)
@@ -467,27 +462,37 @@ class Reference:
             wide = widen(program, w.model)
         except (TypeError, ValueError):
             return False
-        got = self._run(wide, w.model, w.inputs, w.start.restore)
-        try:
-            exact = compare_models(w.ref, w.model, w.out, got.result, rtol=EXACT_RTOL,
-                                   atol=0.0, rel_atol=0.0, slack=self.exact_slack())
-        finally:
-            w.start.restore()
-        if not exact.allclose:
+        if not self._check_wide(wide, w).allclose:
             return False
         ours = self._run(program, self.model, self.inputs, self.restore)
         try:
-            ra, _ = flatten(ours.result)
-            wa, _ = flatten(w.out)
-            err = {}
-            for name, a, b in _pairs(self.model, w.ref, ra, wa):
-                if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) \
-                        and a.shape == b.shape and a.numel():
-                    err[name] = (a.detach().double() - b.detach().double()).abs().max().item()
+            self._program_error = _largest_differences(self.model, w.ref, ours.result, w.out)
         finally:
             self.restore()
-        self._program_error = err
         return True
+
+    def _check_wide(self, wide, w: _WideStep) -> Comparison:
+        """``wide`` (a runner widened onto ``w.model``) against eager's float64
+        step (Note [checked in float64]); the wide copy put back afterwards."""
+        got = self._run(wide, w.model, w.inputs, w.start.restore)
+        try:
+            return compare_models(w.ref, w.model, w.out, got.result, rtol=EXACT_RTOL,
+                                  atol=0.0, rel_atol=0.0, slack=self.exact_slack())
+        finally:
+            w.start.restore()
+
+
+def _largest_differences(a_model: nn.Module, b_model: nn.Module, a_out, b_out) -> dict[str, float]:
+    """Per output, gradient and buffer (`_pairs`' names): the largest absolute
+    difference between two steps, where both have it with the same shape."""
+    ra, _ = flatten(a_out)
+    rb, _ = flatten(b_out)
+    out = {}
+    for name, a, b in _pairs(a_model, b_model, ra, rb):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) \
+                and a.shape == b.shape and a.numel():
+            out[name] = (a.detach().double() - b.detach().double()).abs().max().item()
+    return out
 
 
 def _unoptimized(runner):
